@@ -42,9 +42,11 @@ JSON schema (`PcieReport.to_dict()`, `gpuguard pcie --json`), version 1:
    "pairs": [{"a", "b", "meet": "switch"|"root_port"|"host_bridge",
               "at": bdf | "pci0000:00" | "pci0000:00 / pci0000:a0", "at_ids": "vvvv:dddd"|null,
               "host_bridge": "vvvv:dddd"|null, "p2p": "yes"|"no"|"maybe",
-              "across_root_complexes": bool, "verdict": str}],
+              "across_root_complexes": bool, "across_numa_nodes": bool, "verdict": str}],
    "host_bridges": {"pci0000:00": "8086:6f00"|null},
    "nvswitches": [bdf], "problems": [str]}
+Only the standard library is imported here (the capture and `pcie --json` must run on a
+bare GPU host); the config schema is in gpuguard.hw.pcie_expect.
 Speeds are GT/s per lane, bandwidths bytes per second per direction; null means the
 value could not be read (the reason is in that hop's `errors`), never zero.
 """
@@ -56,8 +58,6 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from gpuguard.hw.pcie_config import AtomicOps, PcieConfig, parse_config
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
@@ -82,7 +82,6 @@ UPSTREAM_FACING = {"switch_upstream", "card_upstream"}
 SWITCH_ROLES = {"switch_upstream", "switch_downstream"}
 AER_FILES = {"correctable": "aer_dev_correctable", "nonfatal": "aer_dev_nonfatal", "fatal": "aer_dev_fatal"}
 AER_TOTALS = {"correctable": "TOTAL_ERR_COR", "nonfatal": "TOTAL_ERR_NONFATAL", "fatal": "TOTAL_ERR_FATAL"}
-GENERATION_GTS = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
 
 
 def _frozen(m: Mapping | None) -> Mapping:
@@ -375,6 +374,7 @@ class GpuPair:
     host_bridge: str | None  # vendor:device of the host bridge(s) involved
     p2p: str  # yes | no | maybe
     across_root_complexes: bool = False  # the paths start in different pciDDDD:BB domains
+    across_numa_nodes: bool = False  # the GPUs hang off different CPU sockets
 
     @property
     def verdict(self) -> str:
@@ -383,8 +383,18 @@ class GpuPair:
         if self.meet == "root_port":
             return f"meet at root port {self.at} ({self.at_ids}): P2P through the root port"
         hb = self.host_bridge or "unknown host bridge"
+        if self.across_numa_nodes:
+            return f"meet at host bridges {hb} on different CPU sockets ({self.at}): host memory only"
         if self.across_root_complexes:
-            return f"meet at host bridge {hb} across root complexes ({self.at}): host memory only"
+            if self.p2p == "no":
+                return (
+                    f"meet at host bridge {hb} across root complexes ({self.at}): the kernel "
+                    "refuses P2P on this chipset: host memory only"
+                )
+            return (
+                f"meet at host bridge {hb} across root complexes ({self.at}): P2P only if the "
+                "platform routes it between root complexes, otherwise host memory"
+            )
         if self.meet == "host_bridge":
             if self.p2p == "no":
                 return (
@@ -407,6 +417,7 @@ class GpuPair:
             "host_bridge": self.host_bridge,
             "p2p": self.p2p,
             "across_root_complexes": self.across_root_complexes,
+            "across_numa_nodes": self.across_numa_nodes,
             "verdict": self.verdict,
         }
 
@@ -443,25 +454,6 @@ def _size(n: int) -> str:
     if n >= 1 << 30:
         return f"{n / (1 << 30):.1f} GiB".replace(".0 ", " ")
     return f"{n / (1 << 20):.0f} MiB"
-
-
-# ---------------------------------------------------------------- config schema
-
-
-class ExpectedLink(BaseModel):
-    """`expect_link` of a GPU in the config: what its slot link must train to."""
-
-    model_config = ConfigDict(extra="forbid")
-    gen: int | None = Field(default=None, ge=1, le=6, description="PCIe generation (4 = 16 GT/s)")
-    width: int | None = Field(default=None, description="lanes: 1, 2, 4, 8 or 16")
-
-    def model_post_init(self, _ctx: Any) -> None:
-        if self.width is not None and self.width not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"expect_link.width {self.width}: must be 1, 2, 4, 8, 16 or 32")
-
-    @property
-    def speed_gts(self) -> float | None:
-        return GENERATION_GTS[self.gen] if self.gen else None
 
 
 # ---------------------------------------------------------------- reading
@@ -751,7 +743,7 @@ def kernel_vram(lines: Iterable[str], gpu_bdfs: list[str]) -> dict[str, tuple[in
     return found
 
 
-def _is_gpu(vendor: str | None, class_code: str | None, driver: str | None) -> bool:
+def is_gpu(vendor: str | None, class_code: str | None, driver: str | None) -> bool:
     if not class_code or not class_code.startswith("0x03"):
         return False
     # BMC VGA (ASPEED 1a03, Matrox 102b), virtio-gpu and QEMU VGA are displays, not GPUs.
@@ -775,11 +767,15 @@ def _host_bridge(root: SysfsRoot, complex_: str, cache: dict[str, _Device | None
 def _pair(a: GpuPath, b: GpuPath, host_bridges: Mapping[str, str | None]) -> GpuPair:
     if a.root_complex != b.root_complex:
         ids = sorted({h for h in (host_bridges.get(a.root_complex), host_bridges.get(b.root_complex)) if h})
-        # Different root complexes also meet at the host bridge(s), but the kernel only
-        # routes P2P between them on a few CPUs: say host memory.
+        hb_text = " / ".join(ids) or None
+        # Different root complexes also meet at the host bridge(s). Across CPU sockets, or
+        # on a chipset the kernel refuses (INCIDENTS §5), that means host memory.
+        other_socket = a.numa_node is not None and b.numa_node is not None and a.numa_node != b.numa_node
+        refused = bool(ids) and any(i in P2P_REFUSED_HOST_BRIDGES for i in ids)
         return GpuPair(
             a.bdf, b.bdf, "host_bridge", f"{a.root_complex} / {b.root_complex}",
-            None, " / ".join(ids) or None, "no", across_root_complexes=True,
+            None, hb_text, "no" if other_socket or refused else "maybe",
+            across_root_complexes=True, across_numa_nodes=other_socket,
         )
     common = None
     for ha, hb in zip(a.hops, b.hops):
@@ -822,7 +818,7 @@ def walk(
         driver = root.readlink_name(f"/sys/bus/pci/devices/{bdf}/driver")
         if vendor == "10de" and (cls or "").startswith("0x0680"):
             nvswitches.append(bdf)
-        if not (select(bdf, vendor, cls, driver) if select else _is_gpu(vendor, cls, driver)):
+        if not (select(bdf, vendor, cls, driver) if select else is_gpu(vendor, cls, driver)):
             continue
         complex_, chain = _canonical_chain(root, bdf)
         if not chain or chain[-1][0] != bdf:

@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from gpuguard.hw.pcie import is_gpu
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 MAGIC = "# gpuguard pcie capture v1"
@@ -163,12 +164,13 @@ def capture_lines(root: SysfsRoot, *, all_devices: bool = False, note: str = "")
     for bdf in bdfs:
         cls = _read_hex(root, f"{BUS}/{bdf}/class") or ""
         vendor = (_read_hex(root, f"{BUS}/{bdf}/vendor") or "")[2:]
-        if cls.startswith("0x03"):
+        driver = root.readlink_name(f"{BUS}/{bdf}/driver")
+        if is_gpu(vendor, cls, driver):
             gpus.add(bdf)
         # Other functions of GPU vendors (NVSwitch 0x0680, HDMI audio) with their paths,
         # but not the vendors' bridges and not Intel's hundreds of uncore functions.
         other = vendor in OTHER_FUNCTION_VENDORS and not cls.startswith("0x0604")
-        if all_devices or cls.startswith("0x03") or other:
+        if all_devices or bdf in gpus or other:
             wanted.append(bdf)
     complexes: set[str] = set()
     device_paths: dict[str, str] = {}

@@ -9,10 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from gpuguard.hw.pcie import (
-    ExpectedLink,
     GpuPath,
     PcieReport,
     format_gbps,
@@ -21,6 +20,9 @@ from gpuguard.hw.pcie import (
 )
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 from gpuguard.state.events import Event
+
+if TYPE_CHECKING:  # pydantic is needed only with --config; doctor runs without it
+    from gpuguard.hw.pcie_expect import ExpectedLink
 
 LEVELS = ("OK", "WARN", "FAIL")
 P2P_REFUSED_RE = re.compile(r"P2P access from peer device .* is not supported by the chipset|p2pdma.*not supported", re.I)
@@ -187,7 +189,12 @@ def pair_findings(report: PcieReport) -> list[Finding]:
     out = []
     for p in report.pairs:
         where = f"{p.a} ↔ {p.b}"
-        if p.p2p == "no":
+        nvlink = bool(report.nvswitches) and all(
+            (report.gpu(x) and report.gpu(x).vendor == "10de") for x in (p.a, p.b)
+        )
+        if p.p2p == "no" and nvlink:
+            out.append(Finding("OK", "pair", p.verdict + "; NVSwitch present: NVLink carries GPU peer traffic", where))
+        elif p.p2p == "no":
             out.append(Finding("WARN", "pair", p.verdict, where,
                                "for tensor parallelism put both GPUs under one switch; otherwise expect host-memory copies"))
         else:
@@ -301,6 +308,8 @@ def load_expected_links(path: str) -> dict[str, ExpectedLink]:
     import yaml
     from pydantic import ValidationError
 
+    from gpuguard.hw.pcie_expect import ExpectedLink
+
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f) or {}
@@ -320,7 +329,9 @@ def load_expected_links(path: str) -> dict[str, ExpectedLink]:
             raise ConfigError(f"{path}: gpus[{i}].match.bdf: expect_link needs a full PCI address like 0000:05:00.0")
         try:
             out[bdf.lower()] = ExpectedLink.model_validate(entry["expect_link"])
-        except (ValidationError, ValueError) as e:
-            msg = str(e).splitlines()
-            raise ConfigError(f"{path}: gpus[{i}].expect_link: {' '.join(msg[-2:]) if msg else e}") from None
+        except ValidationError as e:
+            err = e.errors()[0]
+            key = ".".join(str(x) for x in err["loc"])
+            where = f"gpus[{i}].expect_link" + (f".{key}" if key else "")
+            raise ConfigError(f"{path}: {where}: {err['msg']}") from None
     return out
