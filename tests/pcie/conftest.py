@@ -214,3 +214,10 @@ def build_incident(tmp_path):
         return incident_host(PciTree(tmp_path / f"host{next(counter)}"), **kw)
 
     return build
+
+
+@pytest.fixture
+def make_tree(tmp_path):
+    """A factory of further empty trees in the same test."""
+    counter = iter(range(1000))
+    return lambda: PciTree(tmp_path / f"tree{next(counter)}")
