@@ -125,7 +125,7 @@ def find_capability(data: bytes, cap_id: int) -> int | None:
         nxt = _u8(data, ptr + 1)
         if cid is None or nxt is None:
             raise ValueError(f"capability at 0x{ptr:02x} lies beyond the {len(data)} bytes read")
-        if cid == CAP_ID_PCIE:
+        if cid == cap_id:
             return ptr
         ptr = nxt
     return None
