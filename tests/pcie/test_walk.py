@@ -301,3 +301,17 @@ def test_report_is_immutable(incident):
         rep.gpus[0].hops[0].bdf = "x"  # type: ignore[misc]
     with pytest.raises(TypeError):
         rep.host_bridges["pci0000:00"] = "x"  # type: ignore[index]
+
+
+def test_gpu_on_the_root_bus_without_root_port_uses_its_own_link(pci_tree):
+    # A GPU passed through into a VM (QEMU i440fx): no root port above it.
+    pci_tree.add("0000:00:00.0", "pci0000:00", "8086:1237", 0x060000, config="none")
+    pci_tree.add("0000:00:05.0", "pci0000:00", "10de:2335", 0x030200, port="endpoint", driver="nvidia",
+                 cur=(16.0, 8), max=(32.0, 16))
+    g = walk(SysfsRoot(str(pci_tree.base)), {"0000:00:05.0": True}).gpu("0000:00:05.0")
+    assert g.root_port is None and len(g.hops) == 1
+    link = g.narrowest_link
+    assert link.upper == "pci0000:00" and link.lower == "0000:00:05.0"
+    assert link.downgraded_width and link.downgraded_speed
+    assert g.bottleneck_bytes_per_second == pytest.approx(15.754e9, rel=1e-3)
+    assert "no root port" in g.root_port_atomics_note

@@ -164,7 +164,8 @@ def _hop_note(g: GpuPath, i: int, h: PcieHop, st: Style) -> str:
         marks.append(st.paint(f"{st.mark} NARROWEST{lim}", "1;33"))
     if lk is not None and lk.counts and lk.downgraded:
         can = f"{format_speed(lk.capable_speed_gts)} GT/s x{lk.capable_width or '?'}"
-        idle = "" if g.busy else " (GPU idle: may be power saving)" if not lk.downgraded_width else ""
+        real = lk.downgraded_width or g.speed_drop_is_real(lk.current_speed_gts)
+        idle = "" if real else " (GPU idle: may be power saving)"
         marks.append(st.paint(f"DOWNGRADED: both ends can {can}{idle}", "1;31"))
     if h.role_inferred:
         notes.append(st.paint("role inferred", "2"))

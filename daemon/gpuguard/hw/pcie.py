@@ -197,6 +197,7 @@ class PcieHop:
     current_width: int | None
     max_width: int | None
     link: PcieLink | None  # the link to the hop above; None for root ports / internal bus
+    # (a device on the root bus without a root port: its own link, upper = root complex)
     downgraded: bool = False  # an end of a downgraded link (above or below)
     aer: Mapping[str, int] = field(default_factory=dict)  # severity -> total
     config: PcieConfig | None = None
@@ -286,6 +287,14 @@ class GpuPath:
     @property
     def slot(self) -> PcieLink | None:
         return self.hops[self.slot_link].link if self.slot_link is not None else None
+
+    def speed_drop_is_real(self, current_gts: float | None) -> bool:
+        """Whether a link running slower than both ends can is a finding now: links slow
+        down at idle (ASPM, amdgpu's dynamic PCIe), so only while the GPU works — or when
+        amdgpu's own active `pp_dpm_pcie` level asks for more than the link runs."""
+        if self.busy:
+            return True
+        return bool(self.dpm_pcie_active and current_gts and self.dpm_pcie_active[0] > current_gts)
 
     @property
     def large_bar(self) -> bool | None:
@@ -696,6 +705,26 @@ def _link(parent: _Device, prole: str, child: _Device, crole: str) -> PcieLink |
     )
 
 
+def _root_bus_link(complex_: str, dev: _Device, role: str) -> PcieLink | None:
+    """A PCIe device straight on the root bus with no root port above it (a GPU passed
+    through into a VM, an integrated function): its own link registers are the only link
+    there is, the root complex the other end."""
+    if role == "root_port" or (dev.cur_speed is None and dev.cur_width is None):
+        return None
+    return PcieLink(
+        upper=complex_,
+        lower=dev.bdf,
+        kind="external",
+        current_speed_gts=dev.cur_speed,
+        current_width=dev.cur_width,
+        capable_speed_gts=dev.max_speed,
+        capable_width=dev.max_width,
+        limited_by=None,
+        downgraded_speed=bool(dev.cur_speed and dev.max_speed and dev.cur_speed < dev.max_speed),
+        downgraded_width=bool(dev.cur_width and dev.max_width and dev.cur_width < dev.max_width),
+    )
+
+
 def parse_resource(text: str) -> tuple[Bar, ...]:
     """BARs 0–5 from a `resource` file (`0x%016llx 0x%016llx 0x%016llx` per line)."""
     bars = []
@@ -852,7 +881,7 @@ def _gpu_path(
     roles: list[tuple[str, bool]] = []
     for i, d in enumerate(devs):
         roles.append(_role(d, i, roles[-1][0] if roles else None, i == len(devs) - 1))
-    links: list[PcieLink | None] = [None]
+    links: list[PcieLink | None] = [_root_bus_link(complex_, devs[0], roles[0][0])]
     for i in range(1, len(devs)):
         links.append(_link(devs[i - 1], roles[i - 1][0], devs[i], roles[i][0]))
     hops = []

@@ -59,14 +59,6 @@ def _link_text(speed: float | None, width: int | None) -> str:
     return f"{format_speed(speed)} GT/s x{width if width else '?'}"
 
 
-def _speed_drop_is_real(g: GpuPath, current: float | None) -> bool:
-    """A slower link is a finding while the GPU works, or when amdgpu's own active PCIe
-    DPM level asks for more than the link runs (then it is not power saving)."""
-    if g.busy:
-        return True
-    return bool(g.dpm_pcie_active and current and g.dpm_pcie_active[0] > current)
-
-
 def link_findings(g: GpuPath) -> list[Finding]:
     out: list[Finding] = []
     for h in g.hops:
@@ -81,7 +73,7 @@ def link_findings(g: GpuPath) -> list[Finding]:
                 "FAIL", "link", f"runs {now}, both ends can {can}: lost lanes ({format_gbps(lk.bytes_per_second)})",
                 where, "reseat the card and riser, check the slot's lane sharing in the BIOS; a lost lane never comes back by itself",
             ))
-        elif _speed_drop_is_real(g, lk.current_speed_gts):
+        elif g.speed_drop_is_real(lk.current_speed_gts):
             out.append(Finding(
                 "FAIL", "link", f"runs {now} under load, both ends can {can} ({format_gbps(lk.bytes_per_second)} of {format_gbps(lk.capable_bytes_per_second)})",
                 where, "set the slot's link speed explicitly in the BIOS, check riser/retimer/cable, reseat (INCIDENTS §4)",
@@ -131,7 +123,7 @@ def expected_link_findings(report: PcieReport, expected: Mapping[str, ExpectedLi
             bad.append(f"x{slot.current_width or '?'} wide")
         if exp.speed_gts and (slot.capable_speed_gts or 0) < exp.speed_gts:
             bad.append(f"capable of only {format_speed(slot.capable_speed_gts)} GT/s")
-        elif exp.speed_gts and (slot.current_speed_gts or 0) < exp.speed_gts and _speed_drop_is_real(g, slot.current_speed_gts):
+        elif exp.speed_gts and (slot.current_speed_gts or 0) < exp.speed_gts and g.speed_drop_is_real(slot.current_speed_gts):
             bad.append(f"running {format_speed(slot.current_speed_gts)} GT/s under load")
         if bad:
             out.append(Finding("FAIL", "expect_link", f"expected {want}, link is " + ", ".join(bad), where,
