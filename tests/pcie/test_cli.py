@@ -146,3 +146,17 @@ def test_doctor_on_a_config_space_without_root(pci_tree):
     cfg.write_bytes(build_config(0x8086, 0x352a, 0x060400, size=64))
     p = gg("doctor", "--sysfs-root", str(pci_tree.base), check_rc=1)
     assert "unknown (needs root)" in p.stdout
+
+
+GOLDEN = REPO / "tests" / "fixtures" / "pcie" / "incident-host.golden"
+
+
+def test_incident_host_output_matches_golden(incident):
+    """The whole `gpuguard pcie` + `doctor` output for the INCIDENTS §4 host, reviewed as a
+    diff; GPUGUARD_REGEN=1 rewrites it."""
+    pcie = gg("pcie", "--sysfs-root", str(incident.base), "--busy", check_rc=0).stdout
+    doctor = gg("doctor", "--sysfs-root", str(incident.base), "--busy", check_rc=2).stdout
+    text = "$ gpuguard pcie --busy\n" + pcie + "\n$ gpuguard doctor --busy\n" + doctor
+    if os.environ.get("GPUGUARD_REGEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
