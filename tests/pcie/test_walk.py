@@ -315,3 +315,30 @@ def test_gpu_on_the_root_bus_without_root_port_uses_its_own_link(pci_tree):
     assert link.downgraded_width and link.downgraded_speed
     assert g.bottleneck_bytes_per_second == pytest.approx(15.754e9, rel=1e-3)
     assert "no root port" in g.root_port_atomics_note
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00\x00\x00", b"\xff\xfe garbage \x80\n", b"0x\n", b"-1\n" * 300])
+def test_garbage_in_every_attribute_is_never_a_crash(incident, garbage):
+    from gpuguard.policy.doctor import diagnose
+
+    for path in incident.base.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.write_bytes(garbage)
+    # A directory where a file should be (EISDIR), and where a directory should be a file.
+    os.remove(incident.paths["0000:a0:02.0"] / "config")
+    (incident.paths["0000:a0:02.0"] / "config").mkdir()
+    hw = incident.paths[XTX[0]] / "hwmon"
+    import shutil
+
+    shutil.rmtree(hw)
+    hw.write_bytes(b"")
+    root = SysfsRoot(str(incident.base))
+    rep = walk(root, BUSY)
+    assert rep.gpus == ()  # no readable class: nothing is called a GPU
+    every = walk(root, BUSY, select=lambda *_: True)
+    assert every.gpus
+    xtx = every.gpu(XTX[0])
+    assert xtx.root_port_atomics is None and "EISDIR" in xtx.root_port_atomics_note
+    diagnose(root, every)
+    json_ok = every.to_dict()
+    assert json_ok["gpus"]

@@ -64,8 +64,11 @@ def busy_map(root: SysfsRoot, all_busy: bool) -> dict[str, bool]:
 def read_kernel_log(path: str | None) -> list[str]:
     if not path:
         return []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read().splitlines()
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().splitlines()
+    except OSError as e:
+        raise OSError(f"cannot read kernel log {path}: {e.strerror}") from None
 
 
 class Source:

@@ -208,7 +208,13 @@ def capture_lines(root: SysfsRoot, *, all_devices: bool = False, note: str = "")
         if bdf in gpus:
             for attr in GPU_ATTRS:
                 w.file(f"{path}/{attr}")
-            for hw in root.listdir(f"{path}/hwmon"):
+            try:
+                hwmons = root.listdir(f"{path}/hwmon")
+            except SysfsError as e:
+                w.lines.append(f"error {path.lstrip('/')}/hwmon {errno_mod.errorcode.get(e.errno, str(e.errno))}")
+                w.errors += 1
+                hwmons = []
+            for hw in hwmons:
                 for attr in HWMON_ATTRS:
                     w.file(f"{path}/hwmon/{hw}/{attr}")
     return w.lines, CaptureSummary(len(device_paths), w.files, w.links, w.errors)

@@ -205,8 +205,12 @@ def telemetry_findings(root: SysfsRoot, g: GpuPath) -> list[Finding]:
             else:
                 out.append(Finding("FAIL", "telemetry", "OD file pp_od_clk_voltage missing: profiles cannot apply", g.bdf,
                                    "boot with amdgpu.ppfeaturemask=0xfff7ffff (OverDrive bit) and reboot"))
-        caps = []
-        for hw in root.listdir(f"{dev}/hwmon"):
+        caps: list = []
+        try:
+            hwmons = root.listdir(f"{dev}/hwmon")
+        except SysfsError as e:
+            hwmons, caps = [], [str(e)]
+        for hw in hwmons:
             try:
                 caps.append(root.read_int(f"{dev}/hwmon/{hw}/power1_cap"))
             except (SysfsError, ValueError) as e:
