@@ -342,3 +342,25 @@ def test_garbage_in_every_attribute_is_never_a_crash(incident, garbage):
     diagnose(root, every)
     json_ok = every.to_dict()
     assert json_ok["gpus"]
+
+
+def test_json_schema_keys_are_stable(incident):
+    """The documented schema (module docstring of gpuguard.hw.pcie): scripts depend on it."""
+    d = report_of(incident).to_dict()
+    assert set(d) == {"schema", "gpus", "pairs", "host_bridges", "nvswitches", "problems"}
+    assert set(d["gpus"][0]) == {
+        "bdf", "vendor", "device", "class", "driver", "numa_node", "busy", "root_complex", "root_port",
+        "slot_link", "narrowest", "hops", "bars", "vram_bytes", "vram_visible_bytes", "large_bar",
+        "large_bar_note", "kernel_vram", "root_port_atomics", "root_port_atomics_note", "dpm_pcie_active", "errors",
+    }
+    assert set(d["gpus"][0]["hops"][1]) == {
+        "bdf", "role", "role_inferred", "vendor", "device", "class", "driver", "current_speed_gts",
+        "max_speed_gts", "current_width", "max_width", "downgraded", "narrowest", "link", "aer", "errors",
+    }
+    assert set(d["gpus"][0]["hops"][1]["link"]) == {
+        "upper", "lower", "kind", "current_speed_gts", "current_width", "capable_speed_gts", "capable_width",
+        "limited_by", "downgraded_speed", "downgraded_width", "bytes_per_second", "capable_bytes_per_second",
+    }
+    assert set(d["pairs"][0]) == {
+        "a", "b", "meet", "at", "at_ids", "host_bridge", "p2p", "across_root_complexes", "across_numa_nodes", "verdict",
+    }

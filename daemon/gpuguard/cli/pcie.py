@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Mapping, TextIO
+from typing import TextIO
 
 from gpuguard.hw.pcie import GpuPath, PcieHop, PcieReport, format_gbps, format_speed, walk
 from gpuguard.hw.pcie_capture import CaptureError, capture, replay
@@ -233,7 +233,3 @@ def render(report: PcieReport, out: TextIO) -> None:
 
 def _size(n: int) -> str:
     return f"{n / (1 << 30):g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):g} MiB" if n >= 1 << 20 else f"{n // 1024} KiB"
-
-
-def names(report: PcieReport) -> Mapping[str, str]:
-    return {g.bdf: f"card{g.bdf}" for g in report.gpus}

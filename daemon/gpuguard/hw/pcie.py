@@ -9,7 +9,9 @@ Model. A *hop* is one PCI function on the GPU's canonical sysfs path
 downstream-facing port (root port, switch downstream port, the card's own downstream
 bridge) to its child; it is stored on the child hop as `link`. A child of an
 upstream-facing port (a switch's downstream ports) sits on that switch's internal bus and
-has no link above it (`link is None`). Link kinds:
+has no link above it (`link is None`). A GPU straight on the root bus (passed through into
+a VM: the H200 test host has its GPU at 0000:00:06.0) has its own link, `upper` being the
+root complex name. Link kinds:
   external         a real link (root port link, slot link, board link)
   card_internal    below an AMD card's own bridge pair (1002:1479 → GPU): reports the
                    card's internal Gen4/Gen5, not the slot (INCIDENTS §4)
