@@ -5,6 +5,7 @@ finding (OK / WARN / FAIL, what, where, what to do). Exit status: 0 all OK, 1 wa
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from gpuguard.cli.pcie import add_source_args, load
@@ -39,7 +40,7 @@ def run(args) -> int:
         json.dump({"status": status, "findings": [f.to_dict() for f in findings]}, sys.stdout, indent=2)
         print()
         return status
-    colour = sys.stdout.isatty()
+    colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     codes = {"OK": "32", "WARN": "33", "FAIL": "1;31"}
     for f in findings:
         line = f.line()

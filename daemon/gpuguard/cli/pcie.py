@@ -150,8 +150,10 @@ def _hop_note(g: GpuPath, i: int, h: PcieHop, st: Style) -> str:
     lk = h.link
     notes = []
     if lk is None:
-        if i > 0 and g.hops[i - 1].role in ("switch_upstream", "card_upstream"):
-            notes.append(st.paint("on the switch's internal bus", "2"))
+        parent = g.hops[i - 1].role if i > 0 else None
+        if parent in ("switch_upstream", "card_upstream"):
+            whose = "card's" if parent == "card_upstream" else "switch's"
+            notes.append(st.paint(f"on the {whose} internal bus", "2"))
     elif lk.kind == "switch_internal":
         notes.append(st.paint("switch-internal: mirror values, not a link", "2"))
     else:
@@ -191,11 +193,13 @@ def render_gpu(g: GpuPath, out: TextIO, st: Style) -> None:
             f"  narrowest hop: {lk.upper} {st.arrow} {lk.lower}  "
             f"{format_speed(lk.current_speed_gts)} GT/s x{lk.current_width or '?'} = {format_gbps(lk.bytes_per_second)}{down}\n"
         )
-    width = max(len(ROLE_NAMES.get(h.role, h.role)) for h in g.hops) if g.hops else 8
+    # The tree on the left, then aligned columns: role, ids, current/max, the link's notes.
+    lefts = [("  " + ("  " * (i - 1) + st.branch if i else "") + h.bdf) for i, h in enumerate(g.hops)]
+    lw = max((len(x) for x in lefts), default=0)
+    rw = max((len(ROLE_NAMES.get(h.role, h.role)) for h in g.hops), default=8)
     for i, h in enumerate(g.hops):
-        indent = "  " + ("   " * (i - 1) + st.branch if i else "")
-        role = ROLE_NAMES.get(h.role, h.role).ljust(width)
-        line = f"{indent}{h.bdf}  {role}  {h.ids}  {_speeds(h):<26} {_hop_note(g, i, h, st)}"
+        role = ROLE_NAMES.get(h.role, h.role).ljust(rw)
+        line = f"{lefts[i].ljust(lw)}  {role}  {h.ids}  {_speeds(h):<23} {_hop_note(g, i, h, st)}"
         out.write(line.rstrip() + "\n")
 
 
