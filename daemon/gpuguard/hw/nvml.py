@@ -22,7 +22,6 @@ READ_CALLS = (
     ("power_watts", "nvmlDeviceGetPowerUsage", 1e-3),
     ("power_cap_watts", "nvmlDeviceGetEnforcedPowerLimit", 1e-3),
     ("power_cap_default_watts", "nvmlDeviceGetPowerManagementDefaultLimit", 1e-3),
-    ("fan_rpm", "nvmlDeviceGetFanSpeedRPM", 1.0),
 )
 
 NOT_SUPPORTED_NAMES = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
@@ -122,6 +121,12 @@ class NvmlSource:
         for key, call, scale in READ_CALLS:
             v = attempt(key, lambda call=call: getattr(n, call)(h))
             values[key] = None if v is None else float(v) * scale
+        # A passively cooled datacenter card (H200) has no fans; NVML then answers the RPM
+        # query with InvalidArgument, so ask how many fans there are first.
+        fans = attempt("fan_count", lambda: n.nvmlDeviceGetNumFans(h))
+        if fans:
+            rpm = attempt("fan_rpm", lambda: n.nvmlDeviceGetFanSpeedRPM(h))
+            values["fan_rpm"] = None if rpm is None else float(getattr(rpm, "speed", rpm))
         cons = attempt("power_cap_limits", lambda: n.nvmlDeviceGetPowerManagementLimitConstraints(h))
         if cons is not None:
             values["power_cap_min_watts"], values["power_cap_max_watts"] = cons[0] / 1000.0, cons[1] / 1000.0
