@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sqlite3
 from typing import Any, Callable
 
 import uvicorn
@@ -20,6 +21,7 @@ from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
 from gpuguard.sinks.metrics import MetricsSink
+from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.state.hub import Hub
 
 log = logging.getLogger("gpuguard")
@@ -79,6 +81,23 @@ class Daemon:
         self.tasks: list[asyncio.Task] = []
         self.on_ready: list[Callable[[], Any]] = []
         self.poller.on_cycle.append(lambda snap: self.notify.send(f"WATCHDOG=1\nSTATUS={summary_line(self.hub)}"))
+        self.recorder: FlightRecorder | None = None
+        if config.recorder.enabled:
+            try:
+                self.recorder = FlightRecorder(config.recorder.path, config.recorder.keep_seconds)
+            except (OSError, sqlite3.Error) as e:
+                log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
+        if self.recorder is not None:
+            rec = self.recorder
+            self.poller.on_cycle.append(lambda snap: rec.record(snap))
+            self.hub.on_event(lambda e: rec.record(events=[e]))
+        self.hub.on_event(self._log_event)
+
+    @staticmethod
+    def _log_event(e) -> None:
+        level = logging.WARNING if e.severity in ("alert", "critical") else logging.INFO
+        where = " ".join(f"{k}={v}" for k, v in (("gpu", e.gpu), ("bdf", e.bdf), ("engine", e.engine)) if v)
+        log.log(level, "event kind=%s severity=%s source=%s %s msg=%r", e.kind, e.severity, e.source, where, e.message)
 
     # -- lifecycle ----------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -165,5 +184,7 @@ class Daemon:
                     t.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
             self.poller.close()
+            if self.recorder is not None:
+                self.recorder.close()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
