@@ -392,3 +392,42 @@ def read_gpu(root: SysfsRoot, dev: AmdGpuDevice, name: str) -> GpuSnapshot:
         **fields,
         **ident,
     )
+
+
+# ------------------------------------------------------------- parser per file name
+
+_PARSERS: tuple[tuple[re.Pattern, Parse], ...] = tuple(
+    (re.compile(pattern + r"\Z"), parse)
+    for pattern, parse in (
+        (r"pp_od_clk_voltage", parse_od),
+        (r"pp_dpm_\w+", files.parse_dpm),
+        (r"pp_power_profile_mode", files.parse_power_profile_mode),
+        (r"fan_curve", files.parse_fan_curve),
+        (r"(acoustic_limit_rpm|acoustic_target_rpm)_threshold|fan_target_temperature|fan_minimum_pwm|fan_zero_rpm_(enable|stop_temperature)", files.parse_od_fan_setting),
+        (r"(current|max)_link_speed", files.parse_link_speed),
+        (r"(current|max)_link_width", files.parse_link_width),
+        (r"(gpu|mem)_busy_percent", files.parse_percent_ratio),
+        (r"mem_info_(vis_)?vram_(total|used)|mem_info_gtt_(total|used)", files.parse_bytes),
+        (r"power_dpm_force_performance_level", files.parse_performance_level),
+        (r"vbios_version", files.parse_vbios_version),
+        (r"unique_id", files.parse_unique_id),
+        (r"uevent", files.parse_uevent),
+        (r"name|\w+\d+_label", files.parse_label),
+        (r"power\d+_(average|input|cap|cap_min|cap_max|cap_default)", files.parse_microwatts),
+        (r"temp\d+_(input|crit|crit_hyst|emergency|emergency_hyst)", files.parse_millicelsius),
+        (r"in\d+_input", files.parse_millivolts),
+        (r"freq\d+_input", files.parse_hertz),
+        (r"fan\d+_(input|min|max|target)", files.parse_rpm),
+    )
+)
+
+
+def parser_for(attribute: str) -> Parse:
+    """The parser for an amdgpu sysfs attribute by its file name (`temp1_input`,
+    `pp_dpm_sclk`, `gpu_od/fan_ctrl/fan_curve`); every parser takes (data, file).
+    Raises KeyError for a file kind we do not know."""
+    base = attribute.rsplit("/", 1)[-1]
+    for pattern, parse in _PARSERS:
+        if pattern.match(base):
+            return parse
+    raise KeyError(f"no parser for amdgpu attribute {attribute!r}")
