@@ -81,6 +81,9 @@ class Probe:
     label: object = None
 
 
+_GROUPS = (None, "temperatures", "temperature_limits", "clocks_hz", "voltages")
+
+
 @dataclass(frozen=True)
 class AmdGpuDevice:
     """One amdgpu GPU as found at discovery, with every poll path resolved."""
@@ -99,6 +102,11 @@ class AmdGpuDevice:
     od_path: str | None = None
     od_disabled_reason: str | None = None  # why `od_path` is None
     probes: tuple[Probe, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        # The poll loop walks plain tuples (no attribute lookups per value).
+        plan = tuple((p.key, p.path, p.parse, _GROUPS.index(p.group), p.label) for p in self.probes)
+        object.__setattr__(self, "_plan", plan)
 
     def poll_paths(self) -> tuple[str, ...]:
         """Host-style paths a `read_gpu` of an awake GPU reads, in order (for the
@@ -347,22 +355,20 @@ def read_gpu(root: SysfsRoot, dev: AmdGpuDevice, name: str) -> GpuSnapshot:
             if runtime_status in _ASLEEP:
                 return GpuSnapshot(up=True, runtime_status=runtime_status, errors=errors, **ident)
         fields: dict[str, object] = {}
-        groups: dict[str, dict] = {"temperatures": {}, "temperature_limits": {}, "clocks_hz": {}, "voltages": {}}
+        groups: list[dict] = [fields, {}, {}, {}, {}]  # indexed like _GROUPS
         stale = False
-        for p in dev.probes:
+        read = root.read_bytes
+        for key, path, parse, gi, label in dev._plan:
             try:
-                value = p.parse(root.read_bytes(p.path), p.path)
+                value = parse(read(path), path)
             except SysfsError as e:
-                errors[p.key] = _read_error(root, dev, e)
+                errors[key] = _read_error(root, dev, e)
                 stale = stale or e.gone
                 continue
             except ValueError as e:
-                errors[p.key] = str(e)
+                errors[key] = str(e)
                 continue
-            if p.group is None:
-                fields[p.key] = value
-            else:
-                groups[p.group][p.label] = value
+            groups[gi][key if gi == 0 else label] = value
         od = None
         od_error = dev.od_disabled_reason
         if dev.od_path:
@@ -388,7 +394,10 @@ def read_gpu(root: SysfsRoot, dev: AmdGpuDevice, name: str) -> GpuSnapshot:
         od_error=od_error,
         errors=errors,
         extra=extra,
-        **groups,
+        temperatures=groups[1],
+        temperature_limits=groups[2],
+        clocks_hz=groups[3],
+        voltages=groups[4],
         **fields,
         **ident,
     )
