@@ -296,3 +296,27 @@ def test_poll_paths_are_what_a_poll_reads(incident_host):
     # average/cap/min/max/default + sclk + mclk + vddgfx + fan + OD (no mem_info_* here)
     assert len(dev.poll_paths()) == 1 + 2 + 9 + 5 + 2 + 1 + 1 + 1
     assert all(os.path.isfile(root.path(p)) for p in dev.poll_paths())
+
+
+def test_hwmon_without_amdgpu_name_is_not_used(host):
+    # The 7800 XT reference capture has no hwmon `name`: no folder is trusted as ours, and
+    # the clocks come from the marked pp_dpm levels instead.
+    host.add_gpu("rdna3-rx7800xt-amdref", "0000:2f:00.0", hwmon=2)
+    root = SysfsRoot(host.root)
+    dev = discover(root)[0]
+    assert dev.hwmon_path is None
+    s = read_gpu(root, dev, "g")
+    assert s.power_watts is None and dict(s.temperatures) == {} and s.errors == {}
+    assert dict(s.clocks_hz) == {"sclk": 0.0, "mclk": 96e6}
+    assert s.od.settings["mclk_max_mhz"] == 1219
+
+
+def test_devices_that_vanish_or_lie_during_discovery_are_skipped(incident_host):
+    # A bus entry whose device is already gone (dangling link) and one with a garbage id.
+    links = incident_host.sys / "bus/pci/devices"
+    os.symlink("../../../devices/pci0000:00/0000:00:09.0/0000:0f:00.0", links / "0000:0f:00.0")
+    (incident_host.device_dir("0000:08:00.0") / "vendor").write_text("AMD\n")
+    root = SysfsRoot(incident_host.root)
+    assert [d.bdf for d in discover(root)] == ["0000:03:00.0", "0000:0b:00.0"]
+    assert discover_one(root, "0000:0f:00.0") is None
+    assert discover_one(root, "0000:00:01.0") is None  # a bridge, not a GPU

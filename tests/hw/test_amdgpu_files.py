@@ -332,3 +332,11 @@ def test_bad_content_is_rejected_naming_the_file(parse, data, words):
         parse(data, path)
     assert str(exc.value).startswith(path + ":")
     assert words in str(exc.value)
+
+
+def test_parser_for_names_and_unknown_kinds():
+    assert parser_for("gpu_od/fan_ctrl/acoustic_limit_rpm_threshold") is f.parse_od_fan_setting
+    assert parser_for("hwmon/hwmon3/temp2_emergency") is f.parse_millicelsius
+    assert parser_for("pp_dpm_fclk") is f.parse_dpm
+    with pytest.raises(KeyError, match="gpu_metrics"):
+        parser_for("gpu_metrics")  # binary struct: deliberately no text parser
