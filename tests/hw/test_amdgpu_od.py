@@ -3,6 +3,8 @@ unseen layouts and lines are rejected with the file and line named."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuguard.hw.amdgpu_files import AmdgpuFormatError
 from gpuguard.hw.amdgpu_od import parse_od
@@ -305,3 +307,23 @@ def test_nul_inside_a_line_is_whitespace_not_glue():
     text = RDNA3.replace("1: 1250MHz\n", "1: 1250MHz\0\0\0")
     with pytest.raises(AmdgpuFormatError, match="line 6"):
         parse_od(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    base=st.sampled_from(sorted(EXPECTED)),
+    cut=st.integers(min_value=0, max_value=2000),
+    junk=st.binary(max_size=12),
+)
+def test_damaged_files_parse_or_fail_with_a_format_error(amdgpu_ref, base, cut, junk):
+    # Truncated or corrupted output (a short read, a hung SMU) must never escape as any
+    # other exception: the poller turns AmdgpuFormatError into od_error, nothing else.
+    raw = (amdgpu_ref / base).read_bytes()
+    data = raw[:cut] + junk + raw[cut + len(junk):]
+    try:
+        od = parse_od(data, base)
+    except AmdgpuFormatError as e:
+        assert str(e).startswith(base)
+    else:
+        assert od.format in {"empty", "apu", "apu-cclk", "smu7-table", "vega10-table", "navi1x-curve",
+                             "navi2x", "rdna3-curve", "rdna3", "rdna4", "rdna4-limits"}
