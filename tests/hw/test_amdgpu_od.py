@@ -2,6 +2,8 @@
 unseen layouts and lines are rejected with the file and line named."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -280,9 +282,11 @@ def test_unseen_lines_fail_loudly_naming_file_and_line(text, line_no, words):
         # An SCLK_OFFSET range belongs to RDNA4 only; on an RDNA3 layout it is unknown.
         (RDNA3 + "SCLK_OFFSET: -500Mhz 1000Mhz\n", "not part of the rdna3 layout"),
         (RDNA3.replace("OD_RANGE:", "OD_SCLK_OFFSET:\n0Mhz\nOD_RANGE:"), "OD_SCLK is not part of the rdna4 layout"),
+        # Found by the damaged-file property test: a lost OD_MCLK header left a KeyError.
+        (RDNA3.replace("OD_MCLK:\n0: 97Mhz\n1: 1250MHz\n", ""), "the rdna3 layout lacks section OD_MCLK"),
         ("OD_VDDC_CURVE:\n0: 1.5V\nOD_RANGE:\nSCLK: 1Mhz 2Mhz\n", "OD_VDDC_CURVE line of unknown shape"),
     ],
-    ids=["minmax-without-vddgfx", "no-range", "empty-section", "foreign-range", "mixed-sclk", "curve-shape"],
+    ids=["minmax-without-vddgfx", "no-range", "empty-section", "foreign-range", "mixed-sclk", "missing-mclk", "curve-shape"],
 )
 def test_unseen_layouts_are_rejected(text, words):
     with pytest.raises(AmdgpuFormatError, match=words):
@@ -309,7 +313,7 @@ def test_nul_inside_a_line_is_whitespace_not_glue():
         parse_od(text)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=int(os.environ.get("GPUGUARD_FUZZ_EXAMPLES", "300")), deadline=None, database=None)
 @given(
     base=st.sampled_from(sorted(EXPECTED)),
     cut=st.integers(min_value=0, max_value=2000),
