@@ -13,6 +13,7 @@ it with EPERM (6.14) / EBUSY (7.0); writes wake it (or fail with `resume_error`)
 """
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import threading
@@ -173,9 +174,7 @@ class AmdGpu:
             cmd, params = parse_command(data)
             if cmd in ("s", "m", "vo", "vc") and "stage" in self.faults.ignore_next:
                 self.faults.ignore_next.discard("stage")
-                parse_and_drop = type(self.od)(**self._od_ctor_args())
-                parse_and_drop.staged = dict(self.od.staged)
-                parse_and_drop.edit(cmd, params, lambda m: None)   # still validated
+                copy.deepcopy(self.od).edit(cmd, params, self.dev())   # still validated
                 return
             if cmd == "c" and "commit" in self.faults.ignore_next and self.od.staged != self.od.active:
                 self.faults.ignore_next.discard("commit")
@@ -189,13 +188,6 @@ class AmdGpu:
                 self.enforced_cap_w = self.model.power_default_w
         except OdRefused as e:
             raise oserror(e.errno) from None
-
-    def _od_ctor_args(self) -> dict:
-        if isinstance(self.od, Smu14Od):
-            return {"boot": self.model.od_boot, "ranges": self.model.od_ranges, "fixed_format": self.od.fixed_format}
-        if isinstance(self.od, Smu13Od):
-            return {"boot": self.model.od_boot, "ranges": self.model.od_ranges, "vddc_curve": self.od.vddc_curve}
-        return {"boot": self.model.od_boot, "ranges": self.model.od_ranges}
 
     def write_power_cap(self, data: bytes) -> None:
         text = data.decode("latin-1")
@@ -277,6 +269,9 @@ class AmdGpu:
     def render_dpm(self, levels: tuple, cur: int, fine: bool) -> bytes:
         if fine:
             lo, hi = levels[0], levels[-1]
+            if cur != lo and cur != hi and self.model.od_family == "navi2x":
+                # sienna_cichlid prints the fake middle level with the "%s" marker field.
+                return f"0: {lo}Mhz \n1: {cur}Mhz *\n2: {hi}Mhz \n".encode()
             if cur != lo and cur != hi:
                 return f"0: {lo}Mhz\n1: {cur}Mhz *\n2: {hi}Mhz\n".encode()
             return (f"0: {lo}Mhz {'*' if cur == lo else ''}\n"

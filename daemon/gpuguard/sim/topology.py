@@ -56,6 +56,7 @@ class Port:
     virtual: bool = False
     mirror_speed: float = 5.0
     mirror_width: int = 16
+    secondary: int | None = None   # firmware-assigned secondary bus (gaps are legal)
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class _Enumerator:
              next_bus: int, kind: str, upstream_speed: tuple | None) -> int:
         bdf = bdf_of(rc.domain, bus, port.devfn)
         path = f"{parent_path}/{bdf}"
-        sec = next_bus
+        sec = port.secondary if port.secondary is not None else next_bus
         fn = self.add(PciFunction(
             bdf=bdf, kind=kind, vendor=port.vendor, device=port.device, class_code=0x060400,
             revision=0x01 if port.vendor == 0x8086 else 0xB0,
@@ -316,3 +317,12 @@ def incident_spec(*, era: str = "6.14", od_enabled: bool = True, extra_gpus: int
     return HostSpec(roots=tuple(roots), era=era,
                     ppfeaturemask=0xFFF7FFFF if od_enabled else 0xFFF7BFFF,
                     card_order=order, hwmon_order=hw_order)
+
+
+def single_gpu_spec(model: CardModel | str, gpu_bus: int = 0x03, era: str = "6.14",
+                    root_speed: float = 16.0, root_width: int = 16, atomics: bool = True) -> HostSpec:
+    """One card whose GPU sits at 0000:<gpu_bus>:00.0 behind root port 00:01.0 — the shape
+    of a reference dump (tests put a card into a dump's exact state this way)."""
+    port = Port("01.0", 0x6F02, max_speed=root_speed, max_width=root_width, atomics=atomics,
+                secondary=gpu_bus - 2, child=Card(model=model))
+    return HostSpec(roots=(RootComplex(bus=0, numa=0, ports=(port,)),), era=era)
