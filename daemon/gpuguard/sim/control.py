@@ -97,11 +97,11 @@ class ControlServer:
             os.unlink(self.path)
 
 
-def send(path: str, op: str, timeout: float = 10.0, **args):
+def send(socket_path: str, op: str, /, *, control_timeout: float = 10.0, **args):
     """One request; returns the result or raises ControlError with the server's message."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
+        s.settimeout(control_timeout)
+        s.connect(socket_path)
         s.sendall((json.dumps({"op": op, **args}) + "\n").encode())
         buf = b""
         while not buf.endswith(b"\n"):

@@ -209,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpuguard.sim.fuse: serving {args.scenario} at {args.mountpoint}", flush=True)
     try:
         mfusepy.FUSE(SimFS(host), args.mountpoint, **_options())   # returns on SIGTERM/unmount
+    except RuntimeError as e:
+        # libfuse's loop reports the signal that ended it as an error (fuse_main → 8);
+        # a clean unmount after SIGTERM/SIGINT/SIGHUP is a normal stop.
+        if os.path.ismount(args.mountpoint):
+            print(f"gpuguard.sim.fuse: FUSE failed: {e}", file=sys.stderr)
+            return 1
     finally:
         host.release_all()
         runner.stop()
