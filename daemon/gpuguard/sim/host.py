@@ -245,6 +245,7 @@ class SimHost(FaultInjection):
             link(f"{hp}/device", f.path)
             link(f"/sys/class/hwmon/hwmon{g.hwmon_index}", hp)
         self.nodes = n
+        self._lookup_cache: dict = {}    # only successful lookups; cleared with the tree
 
     def _hidden_functions(self) -> set[str]:
         hidden = set()
@@ -267,6 +268,15 @@ class SimHost(FaultInjection):
 
     # -- lookup -----------------------------------------------------------------------
     def _lookup(self, path: str, follow: bool = True) -> tuple[str, Node]:
+        key = (path, follow)
+        hit = self._lookup_cache.get(key)
+        if hit is not None:
+            return hit
+        found = self._walk_path(path, follow)
+        self._lookup_cache[key] = found
+        return found
+
+    def _walk_path(self, path: str, follow: bool) -> tuple[str, Node]:
         if not path.startswith("/"):
             path = "/" + path
         parts = [p for p in path.split("/") if p and p != "."]
