@@ -15,7 +15,6 @@ readers only the first 64 bytes); links do not retrain (no PCIe ASPM/DPM speed c
 from __future__ import annotations
 
 import errno
-import os
 import posixpath
 import threading
 from dataclasses import dataclass, field
@@ -422,5 +421,3 @@ class SimHost(FaultInjection):
     def _log_appear(self, g: AmdGpu) -> None:
         self.kernel_log.add(KERN_INFO, f"[drm] Initialized amdgpu 3.61.0 for {g.bdf} on minor {g.card_index}", g.bdf)
 
-
-__all__ = ["SimHost", "Stat", "Node", "os"]
