@@ -231,10 +231,12 @@ def pcie() -> list[dict]:
             target(f"gpuguard_pcie_link_downgraded{{{hop}}}", instant=True),
         ], w=16, h=10,
             transformations=[
+                # __name__ differs per query (and Time per evaluation): drop both so the five
+                # answers merge into one row per hop.
+                {"id": "organize", "options": {"excludeByName": {"Time": True, "__name__": True, "job": True}}},
                 {"id": "merge", "options": {}},
                 {"id": "organize", "options": {
-                    "excludeByName": {"Time": True, "instance": True, "job": True},
-                    "indexByName": {"gpu": 0, "hop": 1, "role": 2, "bdf": 3},
+                    "indexByName": {"instance": 0, "gpu": 1, "hop": 2, "role": 3, "bdf": 4},
                     "renameByName": renames}},
                 {"id": "sortBy", "options": {"sort": [{"field": "gpu"}, {"field": "hop"}]}},
             ],

@@ -5,10 +5,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
-
-from pathlib import Path
 
 MAKE = Path(__file__).resolve().parents[2] / "grafana" / "make_dashboard.py"
 DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
