@@ -1,0 +1,133 @@
+"""`gpuguard status`: one table a person reads at a glance (name, PCI address, model,
+power/cap, temperatures, clocks, fan, busy, VRAM, OD state); `--json` for scripts.
+
+With `--sysfs-root` (or when no daemon answers) it reads the hardware once itself;
+otherwise it asks the running daemon's API, so it shows what the daemon sees."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+DEFAULT_API = "http://127.0.0.1:9436"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="GPU table (from the daemon, or read directly)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--sysfs-root", default=None, help="read hardware below DIR (no daemon)")
+    p.add_argument("--config", "-c", default=None, help="config file (GPU names)")
+    p.add_argument("--api", default=None, help=f"daemon API base URL (default {DEFAULT_API})")
+    p.set_defaults(func=cmd_status)
+
+
+def read_local(sysfs_root: str, config: Any) -> list[dict[str, Any]]:
+    from gpuguard.hw.sources import default_sources
+    from gpuguard.hw.sysfs import SysfsRoot
+    from gpuguard.poller import GpuPoller
+    from gpuguard.state.hub import Hub
+
+    root = SysfsRoot(sysfs_root)
+    poller = GpuPoller(Hub(), default_sources(root), config.gpus, timeout=config.poll.timeout_seconds)
+    try:
+        snap = asyncio.run(poller.poll_once())
+    finally:
+        poller.close()
+    return [g.to_dict() for g in snap.gpus]
+
+
+def ask_daemon(base: str) -> list[dict[str, Any]] | None:
+    import httpx
+
+    try:
+        r = httpx.get(f"{base.rstrip('/')}/v1/status", timeout=1.0)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    return r.json().get("gpus", [])
+
+
+def _fmt(v: float | None, spec: str, unit: str = "") -> str:
+    return "?" if v is None else f"{v:{spec}}{unit}"
+
+
+def od_summary(od: dict[str, Any] | None, od_error: str | None) -> str:
+    if od is None:
+        return "off" if od_error else "?"
+    s = od.get("settings", {})
+    parts = []
+    for key, label in (
+        ("sclk_offset_mhz", "sclk{:+d}"),
+        ("sclk_max_mhz", "sclk≤{}"),
+        ("mclk_max_mhz", "mclk≤{}"),
+        ("vddgfx_offset_mv", "vo{:+d}"),
+    ):
+        if key in s:
+            parts.append(label.format(int(s[key])))
+    return " ".join(parts) or od.get("format", "?")
+
+
+def render_table(gpus: list[dict[str, Any]]) -> str:
+    head = ["GPU", "BDF", "MODEL", "POWER/CAP W", "EDGE/JCT/MEM °C", "SCLK/MCLK MHz", "FAN", "BUSY", "VRAM GiB", "OD"]
+    rows = []
+    for g in gpus:
+        if not g["up"]:
+            reason = "; ".join(g.get("errors", {}).values()) or "down"
+            rows.append([g["name"], g["bdf"], g["model"], f"DOWN: {reason}", "", "", "", "", "", ""])
+            continue
+        if g.get("runtime_status") == "suspended":
+            rows.append([g["name"], g["bdf"], g["model"], "suspended (not woken)", "", "", "", "", "", ""])
+            continue
+        t = g["temperatures_celsius"]
+        c = g["clocks_hz"]
+        rows.append(
+            [
+                g["name"],
+                g["bdf"],
+                g["model"],
+                f"{_fmt(g['power_watts'], '.0f')}/{_fmt(g['power_cap_watts'], '.0f')}",
+                "/".join(_fmt(t.get(k), ".0f") for k in ("edge", "junction", "mem")),
+                "/".join(_fmt(None if c.get(k) is None else c[k] / 1e6, ".0f") for k in ("sclk", "mclk")),
+                _fmt(g["fan_rpm"], ".0f"),
+                _fmt(None if g["busy_ratio"] is None else g["busy_ratio"] * 100, ".0f", "%"),
+                f"{_fmt(None if g['vram_used_bytes'] is None else g['vram_used_bytes'] / 2**30, '.1f')}"
+                f"/{_fmt(None if g['vram_total_bytes'] is None else g['vram_total_bytes'] / 2**30, '.1f')}",
+                od_summary(g.get("od"), g.get("od_error")),
+            ]
+        )
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in [head] + rows]
+    notes = []
+    for g in gpus:
+        for key, why in sorted(g.get("errors", {}).items()):
+            if g["up"]:
+                notes.append(f"  {g['name']}: {key} unreadable: {why}")
+        if g.get("od_error"):
+            notes.append(f"  {g['name']}: {g['od_error']}")
+    if not gpus:
+        lines.append("(no GPUs found)")
+    return "\n".join(lines + (["", "notes:"] + notes if notes else []))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gpuguard.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
+    gpus = None
+    if args.sysfs_root is None:
+        api = args.api or f"http://{config.listen.address}:{config.listen.port}"
+        gpus = ask_daemon(api)
+    if gpus is None:
+        gpus = read_local(args.sysfs_root or config.sysfs_root, config)
+    if args.json:
+        print(json.dumps({"gpus": gpus}, indent=2, sort_keys=True))
+    else:
+        print(render_table(gpus))
+    return 0 if all(g["up"] for g in gpus) else 1

@@ -1,0 +1,100 @@
+"""The config file's schema (pydantic). Every key is documented in config/gpuguard.yaml.
+Unknown keys are errors: a typo must not silently fall back to a default."""
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+BDF_RE = re.compile(r"^(?:[0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+PCI_ID_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{4}$")
+
+
+def normalise_bdf(value: str) -> str:
+    v = value.strip().lower()
+    if not BDF_RE.match(v):
+        raise ValueError(f"{value!r} is not a PCI address like 0000:05:00.0")
+    return v if v.count(":") == 2 else "0000:" + v
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PollConfig(Strict):
+    interval_seconds: float = Field(1.0, ge=0.15, le=15.0, description="GPU telemetry interval")
+    timeout_seconds: float = Field(2.0, gt=0, le=60, description="one GPU's read must finish in this time")
+    discover_seconds: float = Field(5.0, ge=0.5, le=3600, description="how often to look for new/vanished GPUs")
+    pcie_interval_seconds: float = Field(60.0, ge=1, le=3600, description="PCIe path refresh interval")
+
+
+class ListenConfig(Strict):
+    address: str = Field("127.0.0.1", description="loopback by default; 0.0.0.0 opens it to the network")
+    port: int = Field(9436, ge=0, le=65535)
+
+
+class GpuMatch(Strict):
+    """How a configured name finds its GPU: by PCI address, or by PCI id plus the order
+    among cards with that id (sorted by address). Never by cardN (INCIDENTS §8)."""
+
+    bdf: str | None = None
+    pci_id: str | None = None
+    index: int = Field(0, ge=0)
+
+    @field_validator("bdf")
+    @classmethod
+    def _bdf(cls, v: str | None) -> str | None:
+        return None if v is None else normalise_bdf(v)
+
+    @field_validator("pci_id")
+    @classmethod
+    def _pci_id(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        v = v.strip().lower()
+        if not PCI_ID_RE.match(v):
+            raise ValueError(f"{v!r} is not a PCI id like 1002:744c")
+        return v
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "GpuMatch":
+        if (self.bdf is None) == (self.pci_id is None):
+            raise ValueError("give exactly one of bdf or pci_id")
+        return self
+
+
+class GpuEntry(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    match: GpuMatch
+    profile: str | None = None
+
+
+class LoggingConfig(Strict):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class RecorderConfig(Strict):
+    enabled: bool = True
+    # INCIDENTS §2: samples written to /tmp were lost in the reboot the trip caused.
+    path: str = "/var/lib/gpuguard/flight.sqlite"
+    keep_seconds: float = Field(86400.0, ge=60)
+
+
+class Config(Strict):
+    sysfs_root: str = Field("/", description="root of the hardware tree ('/' on a real host)")
+    state_dir: str = "/var/lib/gpuguard"
+    poll: PollConfig = PollConfig()
+    listen: ListenConfig = ListenConfig()
+    gpus: list[GpuEntry] = []
+    logging: LoggingConfig = LoggingConfig()
+    recorder: RecorderConfig = RecorderConfig()
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "Config":
+        seen: set[str] = set()
+        for g in self.gpus:
+            if g.name in seen:
+                raise ValueError(f"GPU name {g.name!r} is used twice in gpus")
+            seen.add(g.name)
+        return self

@@ -1,0 +1,190 @@
+"""The daemon: wires sources → hub → sinks in one asyncio loop (DESIGN.md data flow).
+
+`Daemon.run()` discovers GPUs, serves `/metrics` and the API on the configured address,
+polls until SIGTERM/SIGINT, re-reads the config on SIGHUP (an invalid file is logged with
+key and line and the running config kept), and speaks sd_notify when started by systemd.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sqlite3
+from typing import Any, Callable
+
+import uvicorn
+
+from gpuguard.config import Config, ConfigError, load_config
+from gpuguard.hw.sources import default_sources
+from gpuguard.hw.sysfs import SysfsRoot
+from gpuguard.poller import GpuPoller
+from gpuguard.sinks.api import build_app, summary_line
+from gpuguard.sinks.metrics import MetricsSink
+from gpuguard.sinks.recorder import FlightRecorder
+from gpuguard.state.hub import Hub
+
+log = logging.getLogger("gpuguard")
+
+
+class _Server(uvicorn.Server):
+    # The daemon owns the process's signals (SIGHUP reload, SIGTERM stop).
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class Notifier:
+    """sd_notify, a no-op outside systemd (no NOTIFY_SOCKET)."""
+
+    def __init__(self) -> None:
+        import os
+
+        self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
+        self._n = None
+        if self.enabled:
+            import sdnotify
+
+            self._n = sdnotify.SystemdNotifier()
+
+    def send(self, text: str) -> None:
+        if self._n is not None:
+            self._n.notify(text)
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        config_path: str | None = None,
+        sysfs_root: str | None = None,
+        sources: list[Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.root = SysfsRoot(sysfs_root or config.sysfs_root)
+        self.hub = Hub()
+        self.metrics = MetricsSink(self.hub)
+        self.sources = sources if sources is not None else default_sources(self.root)
+        self.poller = GpuPoller(
+            self.hub,
+            self.sources,
+            config.gpus,
+            interval=config.poll.interval_seconds,
+            timeout=config.poll.timeout_seconds,
+            discover_every=config.poll.discover_seconds,
+        )
+        self.app = build_app(self.hub, self.metrics)
+        self.notify = Notifier()
+        self.stop_event = asyncio.Event()
+        self.server: _Server | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.on_ready: list[Callable[[], Any]] = []
+        self.poller.on_cycle.append(lambda snap: self.notify.send(f"WATCHDOG=1\nSTATUS={summary_line(self.hub)}"))
+        self.recorder: FlightRecorder | None = None
+        if config.recorder.enabled:
+            try:
+                self.recorder = FlightRecorder(config.recorder.path, config.recorder.keep_seconds)
+            except (OSError, sqlite3.Error) as e:
+                log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
+        if self.recorder is not None:
+            rec = self.recorder
+            self.poller.on_cycle.append(lambda snap: rec.record(snap))
+            self.hub.on_event(lambda e: rec.record(events=[e]))
+        self.hub.on_event(self._log_event)
+
+    @staticmethod
+    def _log_event(e) -> None:
+        level = logging.WARNING if e.severity in ("alert", "critical") else logging.INFO
+        where = " ".join(f"{k}={v}" for k, v in (("gpu", e.gpu), ("bdf", e.bdf), ("engine", e.engine)) if v)
+        log.log(level, "event kind=%s severity=%s source=%s %s msg=%r", e.kind, e.severity, e.source, where, e.message)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def request_stop(self) -> None:
+        self.stop_event.set()
+
+    def reload(self) -> bool:
+        """Re-read the config file. Returns True when the new config took effect."""
+        self.notify.send("RELOADING=1")
+        try:
+            if self.config_path is None:
+                log.warning("reload: no config file was given; nothing to re-read")
+                return False
+            try:
+                new = load_config(self.config_path)
+            except ConfigError as e:
+                for p in e.problems:
+                    log.error("reload rejected, keeping the running config: file=%s %s", e.source, p)
+                return False
+            self.config = new
+            self.poller.set_gpu_entries(new.gpus)
+            self.poller.interval = new.poll.interval_seconds
+            self.poller.timeout = new.poll.timeout_seconds
+            self.poller.discover_every = new.poll.discover_seconds
+            log.info("reload: config %s applied", self.config_path)
+            return True
+        finally:
+            self.notify.send("READY=1")
+
+    async def start_server(self) -> None:
+        cfg = uvicorn.Config(
+            self.app,
+            host=self.config.listen.address,
+            port=self.config.listen.port,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+        )
+        self.server = _Server(cfg)
+        self.tasks.append(asyncio.create_task(self.server.serve(), name="http"))
+        while not self.server.started:
+            if self.tasks[-1].done():
+                exc = self.tasks[-1].exception()
+                raise RuntimeError(
+                    f"cannot listen on {self.config.listen.address}:{self.config.listen.port}: {exc or 'server exited'}"
+                )
+            await asyncio.sleep(0.01)
+
+    @property
+    def bound_port(self) -> int | None:
+        if self.server and self.server.servers:
+            for s in self.server.servers:
+                for sock in s.sockets:
+                    return sock.getsockname()[1]
+        return None
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+        loop.add_signal_handler(signal.SIGINT, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        try:
+            await self.poller.poll_once()  # discovery + a first snapshot before READY
+            await self.start_server()
+            for fn in self.on_ready:
+                r = fn()
+                if asyncio.iscoroutine(r):
+                    await r
+            log.info(
+                "ready: %s; metrics at http://%s:%s/metrics",
+                summary_line(self.hub),
+                self.config.listen.address,
+                self.bound_port,
+            )
+            self.notify.send(f"READY=1\nSTATUS={summary_line(self.hub)}")
+            self.tasks.append(asyncio.create_task(self.poller.run(self.stop_event), name="poller"))
+            await self.stop_event.wait()
+            return 0
+        finally:
+            self.notify.send("STOPPING=1")
+            if self.server is not None:
+                self.server.should_exit = True
+            for t in self.tasks:
+                if t.get_name() != "http":
+                    t.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            self.poller.close()
+            if self.recorder is not None:
+                self.recorder.close()
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)

@@ -1,0 +1,223 @@
+"""The GPU poller: every `poll.interval_seconds` it reads every GPU once and publishes
+one immutable HostSnapshot to the hub.
+
+Reads run in a thread pool with a per-GPU timeout, so a wedged device never freezes the
+event loop; a read still stuck from an earlier cycle is not resubmitted (the GPU is
+reported down with the reason) so stuck threads cannot pile up. One GPU failing never
+stops the others. Discovery runs on its own slower clock (and on request, e.g. from a
+udev event) so late cards are picked up and lost ones reported.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+from gpuguard.state.events import Event
+from gpuguard.state.hub import HostSnapshot, Hub
+from gpuguard.state.identity import assign_names
+from gpuguard.state.snapshot import GpuSnapshot
+
+log = logging.getLogger("gpuguard.poller")
+
+
+class GpuDevice(Protocol):
+    bdf: str
+    vendor: str
+    device_id: str
+    model: str
+    driver: str
+
+
+class GpuSource(Protocol):
+    """One vendor's hardware access (amdgpu sysfs, NVML). Both calls block."""
+
+    name: str
+
+    def discover(self) -> Sequence[GpuDevice]: ...
+
+    def read(self, dev: Any, name: str) -> GpuSnapshot: ...
+
+
+def _down(dev: GpuDevice, name: str, reason: str, key: str = "read", card: str | None = None) -> GpuSnapshot:
+    return GpuSnapshot(
+        name=name,
+        bdf=dev.bdf,
+        vendor=dev.vendor,
+        device_id=dev.device_id,
+        driver=getattr(dev, "driver", "?"),
+        model=getattr(dev, "model", "?"),
+        card=card or getattr(dev, "card", None),
+        up=False,
+        time=time.time(),
+        errors={key: reason},
+    )
+
+
+class GpuPoller:
+    def __init__(
+        self,
+        hub: Hub,
+        sources: Iterable[GpuSource],
+        gpu_entries: Iterable = (),
+        interval: float = 1.0,
+        timeout: float = 2.0,
+        discover_every: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.hub = hub
+        self.sources = list(sources)
+        self.gpu_entries = list(gpu_entries)
+        self.interval = interval
+        self.timeout = timeout
+        self.discover_every = discover_every
+        self.clock = clock
+        self.devices: dict[str, tuple[GpuSource, GpuDevice]] = {}  # bdf -> (source, device)
+        self.names: dict[str, str] = {}
+        self.lost: set[str] = set()  # bdfs seen before and now gone
+        self._last_discover = float("-inf")
+        self._discover_requested = asyncio.Event()
+        self._stuck: dict[str, concurrent.futures.Future] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpuguard-read")
+        self.cycles = 0
+        self.on_cycle: list[Callable[[HostSnapshot], None]] = []  # e.g. the systemd watchdog ping
+        self.on_appear: list[Callable[[str, str], None]] = []  # (bdf, name) — e.g. profile apply
+
+    def request_discovery(self) -> None:
+        """Ask for a discovery at the next cycle (a udev add/remove arrived)."""
+        self._discover_requested.set()
+
+    def set_gpu_entries(self, entries: Iterable) -> None:
+        self.gpu_entries = list(entries)
+        self.names = assign_names([d for _, d in self.devices.values()], self.gpu_entries)
+
+    async def _run_blocking(self, fn, *args, timeout: float | None = None):
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, fn, *args)
+        return await asyncio.wait_for(fut, timeout or self.timeout)
+
+    async def discover(self) -> None:
+        found: dict[str, tuple[GpuSource, GpuDevice]] = {}
+        for source in self.sources:
+            try:
+                devs = await self._run_blocking(source.discover, timeout=max(self.timeout, 5.0))
+            except asyncio.TimeoutError:
+                log.error("discovery source=%s timed out; keeping the GPUs it had", source.name)
+                found.update({b: sd for b, sd in self.devices.items() if sd[0] is source})
+                continue
+            except Exception as e:  # a broken source must not stop the others
+                log.error("discovery source=%s failed: %s", source.name, e)
+                found.update({b: sd for b, sd in self.devices.items() if sd[0] is source})
+                continue
+            for d in devs:
+                found[d.bdf] = (source, d)
+        before = set(self.devices)
+        for bdf in sorted(set(found) - before):
+            self.lost.discard(bdf)
+        self.devices = {**{b: self.devices[b] for b in before - set(found)}, **found}
+        self.names = assign_names([d for _, d in self.devices.values()], self.gpu_entries)
+        for bdf in sorted(set(found) - before):
+            name = self.names[bdf]
+            if self.cycles > 0 or self._last_discover != float("-inf"):
+                self.hub.publish(
+                    Event("gpu_appeared", "info", "poller", f"GPU {name} ({bdf}) appeared", gpu=name, bdf=bdf)
+                )
+            for fn in self.on_appear:
+                fn(bdf, name)
+        for bdf in sorted(before - set(found)):
+            if bdf not in self.lost:
+                self.lost.add(bdf)
+                name = self.names.get(bdf, bdf)
+                self.hub.publish(
+                    Event(
+                        "gpu_lost",
+                        "critical",
+                        "poller",
+                        f"GPU {name} ({bdf}) is gone from the PCI bus; recovery is kill the engines, then "
+                        "reboot (cold power-cycle if the reboot does not come back)",
+                        gpu=name,
+                        bdf=bdf,
+                    )
+                )
+        self._last_discover = self.clock()
+        self._discover_requested.clear()
+
+    async def _read_one(self, bdf: str) -> GpuSnapshot:
+        source, dev = self.devices[bdf]
+        name = self.names.get(bdf, bdf)
+        if bdf in self.lost:
+            return _down(dev, name, "gone from the PCI bus", "device")
+        stuck = self._stuck.get(bdf)
+        if stuck is not None:
+            if not stuck.done():
+                return _down(dev, name, f"an earlier read is still stuck (> {self.timeout:g} s); device not answering")
+            del self._stuck[bdf]
+        loop = asyncio.get_running_loop()
+        cf = self._pool.submit(source.read, dev, name)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(cf, loop=loop), self.timeout)
+        except asyncio.TimeoutError:
+            self._stuck[bdf] = cf
+            return _down(dev, name, f"read timed out after {self.timeout:g} s; device not answering")
+        except Exception as e:  # the reader should not raise; if it does, name the GPU
+            log.error("read gpu=%s bdf=%s failed: %s: %s", name, bdf, type(e).__name__, e)
+            return _down(dev, name, f"{type(e).__name__}: {e}")
+
+    async def poll_once(self) -> HostSnapshot:
+        t0 = time.perf_counter()
+        if self._discover_requested.is_set() or self.clock() - self._last_discover >= self.discover_every:
+            await self.discover()
+        bdfs = sorted(self.devices)
+        snaps = await asyncio.gather(*(self._read_one(b) for b in bdfs))
+        previous = self.hub.snapshot
+        for s in snaps:
+            for _key in s.errors:
+                self.hub.counters.poll_errors[(s.name, self.devices[s.bdf][0].name)] += 1
+            was = previous.gpu(s.bdf) if previous else None
+            if was is not None and was.up and not s.up and s.bdf not in self.lost:
+                self.hub.publish(
+                    Event(
+                        "gpu_not_answering",
+                        "alert",
+                        "poller",
+                        f"GPU {s.name} ({s.bdf}) stopped answering: {'; '.join(s.errors.values())}",
+                        gpu=s.name,
+                        bdf=s.bdf,
+                    )
+                )
+            # a device whose files vanished mid-read, or whose hwmon index changed: look
+            # again at the next cycle
+            if (not s.up and "device" in s.errors) or s.extra.get("rediscover"):
+                self._discover_requested.set()
+        duration = time.perf_counter() - t0
+        snap = HostSnapshot(time=time.time(), gpus=tuple(snaps), duration_seconds=duration)
+        self.hub.counters.poll_duration.labels("gpu").observe(duration)
+        self.hub.publish_snapshot(snap, "gpu")
+        self.cycles += 1
+        for fn in self.on_cycle:
+            fn(snap)
+        return snap
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while not stop.is_set():
+            try:
+                await self.poll_once()
+            except Exception:  # never let one bad cycle end the poller
+                log.exception("poll cycle failed")
+            next_at += self.interval
+            delay = next_at - loop.time()
+            if delay < 0:  # fell behind: don't try to catch up in a burst
+                next_at = loop.time()
+                delay = 0
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

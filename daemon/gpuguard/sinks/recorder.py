@@ -1,0 +1,113 @@
+"""Flight recorder: telemetry and events on persistent storage (SQLite), so the seconds
+before a power trip or a hang survive the hard reboot that follows (INCIDENTS §2: power
+samples written to /tmp were lost in the reboot the trip caused).
+
+Each poll cycle is one transaction, committed with `synchronous=FULL` (the WAL is
+fsynced at every commit: what was recorded is on disk). Writes run on a single
+background thread so a slow disk never delays the poller. Old rows are pruned to
+`keep_seconds`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import sqlite3
+import time
+from typing import Iterable
+
+from gpuguard.state.events import Event
+from gpuguard.state.hub import HostSnapshot
+
+log = logging.getLogger("gpuguard.recorder")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS samples (
+  t REAL NOT NULL, gpu TEXT NOT NULL, bdf TEXT NOT NULL, up INTEGER NOT NULL,
+  power_w REAL, cap_w REAL, edge_c REAL, junction_c REAL, mem_c REAL,
+  sclk_hz REAL, mclk_hz REAL, fan_rpm REAL, busy REAL, vram_used REAL, errors TEXT
+);
+CREATE INDEX IF NOT EXISTS samples_t ON samples(t);
+CREATE TABLE IF NOT EXISTS events (
+  t REAL NOT NULL, kind TEXT NOT NULL, severity TEXT NOT NULL, source TEXT NOT NULL,
+  gpu TEXT, bdf TEXT, engine TEXT, message TEXT NOT NULL, fields TEXT
+);
+CREATE INDEX IF NOT EXISTS events_t ON events(t);
+"""
+
+
+class FlightRecorder:
+    def __init__(self, path: str, keep_seconds: float = 86400.0) -> None:
+        self.path = path
+        self.keep_seconds = keep_seconds
+        self.failures = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuguard-recorder")
+        self._db: sqlite3.Connection | None = None
+        self._last_prune = 0.0
+        self._pool.submit(self._open).result()
+
+    def _open(self) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        db = sqlite3.connect(self.path, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(SCHEMA)
+        db.commit()
+        self._db = db
+
+    def _write(self, samples: list[tuple], events: list[tuple]) -> None:
+        assert self._db is not None
+        try:
+            with self._db:
+                if samples:
+                    self._db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", samples)
+                if events:
+                    self._db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?,?,?)", events)
+                now = time.time()
+                if now - self._last_prune > 60:
+                    cutoff = now - self.keep_seconds
+                    self._db.execute("DELETE FROM samples WHERE t < ?", (cutoff,))
+                    self._db.execute("DELETE FROM events WHERE t < ?", (cutoff,))
+                    self._last_prune = now
+        except sqlite3.Error as e:
+            self.failures += 1
+            log.error("recorder write failed path=%s error=%s", self.path, e)
+
+    @staticmethod
+    def sample_rows(snap: HostSnapshot) -> list[tuple]:
+        rows = []
+        for g in snap.gpus:
+            t = g.temperatures
+            rows.append(
+                (
+                    g.time, g.name, g.bdf, int(g.up), g.power_watts, g.power_cap_watts,
+                    t.get("edge", t.get("gpu")), t.get("junction"), t.get("mem"),
+                    g.clocks_hz.get("sclk"), g.clocks_hz.get("mclk"), g.fan_rpm, g.busy_ratio,
+                    g.vram_used_bytes, json.dumps(dict(g.errors)) if g.errors else None,
+                )
+            )
+        return rows
+
+    @staticmethod
+    def event_rows(events: Iterable[Event]) -> list[tuple]:
+        return [
+            (e.time, e.kind, e.severity, e.source, e.gpu, e.bdf, e.engine, e.message, json.dumps(dict(e.fields), default=str))
+            for e in events
+        ]
+
+    def record(self, snap: HostSnapshot | None = None, events: Iterable[Event] = ()) -> concurrent.futures.Future:
+        """Queue one transaction; returns the future (tests wait on it, the daemon does not)."""
+        return self._pool.submit(self._write, self.sample_rows(snap) if snap else [], self.event_rows(events))
+
+    def query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        return self._pool.submit(lambda: self._db.execute(sql, args).fetchall()).result()
+
+    def close(self) -> None:
+        def _close() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        self._pool.submit(_close).result()
+        self._pool.shutdown(wait=True)
