@@ -142,7 +142,9 @@ def bar_findings(g: GpuPath) -> list[Finding]:
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 30):g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):g} MiB"
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):g} GiB"
+    return f"{n / (1 << 20):g} MiB" if n >= 1 << 20 else f"{n / 1024:g} KiB"
 
 
 def atomics_findings(g: GpuPath) -> list[Finding]:
