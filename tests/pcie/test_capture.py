@@ -152,3 +152,24 @@ def test_vm_capture_has_no_gpu_and_no_link_attributes(tmp_path):
     cfg = parse_config(root.read_bytes("/sys/bus/pci/devices/0000:00:02.0/config"))
     assert cfg.has_pcie is False and cfg.vendor == "1af4"
     assert every.host_bridges == {"pci0000:00": "8086:0d57"}
+
+
+def test_h200_capture(tmp_path):
+    """The H200 test host (converted from tests/fixtures/h200/pci-sysfs.json): one H200
+    passed through into a VM, straight on the root bus, no root port, no mem_info_*."""
+    dest = tmp_path / "tree"
+    replay(str(FIXTURES / "h200-vm.pcie.txt"), str(dest))
+    rep = walk(SysfsRoot(str(dest)))
+    assert [g.bdf for g in rep.gpus] == ["0000:00:06.0"]
+    g = rep.gpus[0]
+    assert (g.vendor, g.device, g.class_code, g.driver) == ("10de", "2335", "0x030200", "nvidia")
+    assert [h.role for h in g.hops] == ["gpu"] and not g.hops[0].role_inferred  # config says endpoint
+    link = g.narrowest_link
+    assert (link.upper, link.current_speed_gts, link.current_width) == ("pci0000:00", 32.0, 16)
+    assert not link.downgraded and g.bottleneck_bytes_per_second == pytest.approx(63.02e9, rel=1e-3)
+    assert [(b.index, b.size_bytes) for b in g.bars] == [(0, 16 << 20), (2, 256 << 30), (4, 32 << 20)]
+    assert g.large_bar is None and g.root_port_atomics is None and "root bus" in g.root_port_atomics_note
+    assert rep.pairs == () and rep.host_bridges == {"pci0000:00": "8086:0d57"}
+    # With VRAM from NVML (141 GiB on an H200) the 256 GiB BAR2 shows large BAR working.
+    g = walk(SysfsRoot(str(dest)), vram={"0000:00:06.0": 150_754_820_096}).gpus[0]
+    assert g.large_bar is True and "BAR2 256 GiB" in g.large_bar_note

@@ -146,7 +146,9 @@ def test_kernel_detected_vram_line_when_mem_info_is_missing(incident):
     assert rep.gpu(XTX[0]).kernel_vram_mib == (24560, 256)
     assert rep.gpu(XTX[0]).large_bar is False
     assert "BAR=256M" in rep.gpu(XTX[0]).large_bar_note
-    assert rep.gpu(XTX[1]).large_bar is None  # no figure for it: unknown, not guessed
+    # No kernel figure for the other: VRAM size against its largest BAR.
+    assert rep.gpu(XTX[1]).large_bar is False
+    assert rep.gpu(XTX[1]).large_bar_note == "large BAR not active: BAR0 256 MiB for 24 GiB VRAM"
     assert rep.gpu(R9700[0]).kernel_vram_mib == (32624, 32768)
 
 

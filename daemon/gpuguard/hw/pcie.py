@@ -306,6 +306,9 @@ class GpuPath:
         if self.kernel_vram_mib:
             ram, bar = self.kernel_vram_mib
             return bar >= ram
+        if self.vram_bytes and self.bars:
+            # No visible-VRAM figure (NVIDIA): the CPU sees VRAM through the largest BAR.
+            return max(b.size_bytes for b in self.bars) >= self.vram_bytes
         return None
 
     @property
@@ -319,6 +322,10 @@ class GpuPath:
             ram, bar = self.kernel_vram_mib
             word = "active" if bar >= ram else "not active"
             return f"large BAR {word}: kernel log Detected VRAM RAM={ram}M, BAR={bar}M"
+        if self.vram_bytes and self.bars:
+            big = max(self.bars, key=lambda b: b.size_bytes)
+            word = "active" if big.size_bytes >= self.vram_bytes else "not active"
+            return f"large BAR {word}: BAR{big.index} {_size(big.size_bytes)} for {_size(self.vram_bytes)} VRAM"
         return "large BAR unknown: the driver exports no VRAM size (mem_info_vram_total)"
 
     def to_dict(self) -> dict[str, Any]:
@@ -828,12 +835,14 @@ def walk(
     *,
     kernel_lines: Iterable[str] = (),
     select: Callable[[str, str | None, str | None, str | None], bool] | None = None,
+    vram: Mapping[str, int] = MappingProxyType({}),
 ) -> PcieReport:
     """Walk every GPU's path. `busy[bdf]` says the GPU is working now (a slower link is
     then a real downgrade, not power saving). `kernel_lines` are kernel log lines (for the
     `Detected VRAM` figure). `select(bdf, vendor, class, driver)` replaces the GPU test
     (walk a NIC's path, or a VM's virtio device in tests). Never raises for a device's bad
-    or missing files: the reasons land in the hop's / GPU's `errors`."""
+    or missing files: the reasons land in the hop's / GPU's `errors`. `vram[bdf]` is the
+    VRAM size from another source (NVML) for drivers without `mem_info_vram_total`."""
     problems: list[str] = []
     try:
         bdfs = [b for b in root.listdir("/sys/bus/pci/devices") if BDF_RE.match(b)]
@@ -865,7 +874,9 @@ def walk(
             if hop_bdf not in cache or cache[hop_bdf] is None:
                 cache[hop_bdf] = _read_device(root, hop_bdf, path)
             devs.append(cache[hop_bdf])
-        paths.append(_gpu_path(root, bdf, complex_, devs, bool(busy.get(bdf, False)), vram_lines.get(bdf)))
+        paths.append(
+            _gpu_path(root, bdf, complex_, devs, bool(busy.get(bdf, False)), vram_lines.get(bdf), vram.get(bdf))
+        )
 
     host_bridges = {c: _host_bridge(root, c, cache) for c in sorted({p.root_complex for p in paths})}
     pairs = tuple(_pair(a, b, host_bridges) for a, b in combinations(paths, 2))
@@ -879,6 +890,7 @@ def _gpu_path(
     devs: list[_Device],
     busy: bool,
     kvram: tuple[int, int] | None,
+    vram_other: int | None = None,
 ) -> GpuPath:
     roles: list[tuple[str, bool]] = []
     for i, d in enumerate(devs):
@@ -936,6 +948,8 @@ def _gpu_path(
         except ValueError as e:
             r.errors["resource"] = f"{gpu.path}/resource: {e}"
     vram = r.integer("mem_info_vram_total", optional=True)
+    if vram is None:
+        vram = vram_other
     vis = r.integer("mem_info_vis_vram_total", optional=True)
     numa = r.integer("numa_node", optional=True)
     dpm_text = r.text("pp_dpm_pcie", optional=True)
@@ -944,7 +958,10 @@ def _gpu_path(
     atomics, note = None, None
     rp = hops[0] if hops and hops[0].role == "root_port" else None
     if rp is None:
-        note = "unknown: the GPU has no root port above it (integrated in the root complex)"
+        note = (
+            "unknown: no root port above the GPU (it sits on the root bus: passed through "
+            "into a VM, or integrated); the real root port is not visible here"
+        )
     elif rp.config is None:
         note = f"unknown: {rp.errors.get('config', 'config space not readable')}"
     elif rp.config.truncated:

@@ -152,8 +152,10 @@ def atomics_findings(g: GpuPath) -> list[Finding]:
     where = f"{g.bdf} root port {short_bdf(rp.bdf)}" if rp else g.bdf
     a = g.root_port_atomics
     if a is None:
-        return [Finding("WARN", "atomics", f"AtomicOps {g.root_port_atomics_note}", where,
-                        "run gpuguard doctor as root to read the root port's config space")]
+        note = g.root_port_atomics_note or "unknown"
+        todo = ("run gpuguard doctor as root to read the root port's config space" if "needs root" in note
+                else "check the root port's AtomicOps on the bare-metal host (lspci -vv: DevCap2 AtomicOpsCap)")
+        return [Finding("WARN", "atomics", f"AtomicOps {note}", where, todo)]
     if not a.completes_32_64:
         level = "FAIL" if g.driver == "amdgpu" or g.vendor == "1002" else "WARN"
         return [Finding(level, "atomics", f"root port does not complete 32/64-bit AtomicOps ({a.describe()}): ROCm/HIP refuses kernels",
