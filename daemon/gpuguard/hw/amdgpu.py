@@ -318,6 +318,10 @@ _ASLEEP = frozenset({"suspended", "suspending"})
 _TRANSIENT = (errno_mod.EPERM, errno_mod.EBUSY, errno_mod.EAGAIN)
 
 
+# Values the GPU produces live; the rest (VRAM size, limits) are cached by the driver.
+_LIVE = ("power_watts", "busy_ratio", "fan_rpm")
+
+
 class _Lost(Exception):
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -360,12 +364,14 @@ def read_gpu(root: SysfsRoot, dev: AmdGpuDevice, name: str) -> GpuSnapshot:
         fields: dict[str, object] = {}
         groups: list[dict] = [fields, {}, {}, {}, {}]  # indexed like _GROUPS
         stale = False
+        io_errors: list[str] = []
         read = root.read_bytes
         for key, path, parse, gi, label in dev._plan:
             try:
                 value = parse(read(path), path)
             except SysfsError as e:
                 errors[key] = _read_error(root, dev, e)
+                io_errors.append(errors[key])
                 stale = stale or e.gone
                 continue
             except ValueError as e:
@@ -382,6 +388,12 @@ def read_gpu(root: SysfsRoot, dev: AmdGpuDevice, name: str) -> GpuSnapshot:
                 stale = stale or e.gone
             except ValueError as e:
                 od_error = errors["od"] = str(e)
+        live_ok = bool(groups[1] or groups[3]) or any(fields.get(k) is not None for k in _LIVE)
+        if not live_ok and io_errors:
+            # No live sensor answers: the card is not answering (INCIDENTS §1: a GPU falling
+            # off the bus answers EIO before its directory vanishes). Cached values such as
+            # mem_info_vram_total or hwmon limits still read fine then; they prove nothing.
+            raise _Lost(f"GPU {dev.bdf} is not answering: every live sensor read failed ({io_errors[0]})")
     except _Lost as lost:
         errors["device"] = lost.reason
         return GpuSnapshot(up=False, runtime_status=runtime_status, errors=errors, **ident)
