@@ -7,7 +7,7 @@ import pytest
 from gpuguard.hw.pcie import walk
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sysfs import SysfsRoot
-from gpuguard.policy.doctor import ConfigError, diagnose, events, exit_status, load_expected_links
+from gpuguard.policy.doctor import ConfigError, diagnose, events, exit_status, load_expected_links, resolve_expected
 
 XTX = ("0000:aa:00.0", "0000:b0:00.0")
 R9700 = ("0000:05:00.0", "0000:08:00.0")
@@ -127,7 +127,8 @@ def test_load_expected_links(tmp_path):
         "  - match: {bdf: '0000:AA:00.0'}\n    expect_link: {gen: 4, width: 16}\n    profile: quiet\n"
         "  - match: {bdf: '0000:05:00.0'}\n"
     )
-    assert load_expected_links(str(good)) == {"0000:aa:00.0": ExpectedLink(gen=4, width=16)}
+    rules = load_expected_links(str(good))
+    assert [(r.bdf, r.expect) for r in rules] == [("0000:aa:00.0", ExpectedLink(gen=4, width=16))]
     bad = tmp_path / "b.yaml"
     bad.write_text("gpus:\n  - match: {bdf: '0000:aa:00.0'}\n    expect_link: {gen: 9}\n")
     with pytest.raises(ConfigError, match=r"gpus\[0\]\.expect_link\.gen"):
@@ -136,10 +137,28 @@ def test_load_expected_links(tmp_path):
     with pytest.raises(ConfigError, match=r"expect_link\.lanes"):
         load_expected_links(str(bad))
     bad.write_text("gpus:\n  - match: {name: x}\n    expect_link: {gen: 4}\n")
-    with pytest.raises(ConfigError, match=r"gpus\[0\]\.match\.bdf"):
+    with pytest.raises(ConfigError, match=r"gpus\[0\]\.match: expect_link needs match.bdf"):
         load_expected_links(str(bad))
     bad.write_text("gpus: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_expected_links(str(bad))
     with pytest.raises(ConfigError, match="No such file"):
         load_expected_links(str(tmp_path / "missing.yaml"))
+
+
+def test_expected_link_by_pci_id_and_index(incident, tmp_path):
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(
+        "gpus:\n"
+        "  - name: xtx-1\n    match: {pci_id: '1002:744C', index: 1}\n    expect_link: {gen: 4, width: 16}\n"
+        "  - name: xtx-9\n    match: {pci_id: '1002:744c', index: 9}\n    expect_link: {width: 16}\n"
+    )
+    root = SysfsRoot(str(incident.base))
+    rep = walk(root, {b: True for b in XTX})
+    expected = resolve_expected(load_expected_links(str(cfg)), rep)
+    assert set(expected) == {XTX[1], "1002:744c #9"}  # by address order; #9 does not exist
+    fs = diagnose(root, rep, expected)
+    assert pick(fs, "expect_link", XTX[1])[0].level == "FAIL"
+    assert pick(fs, "expect_link", "1002:744c #9")[0].what.startswith("configured GPU not found")
+    ev = [e for e in events(fs) if e.kind == "pcie_expect_link"]
+    assert {e.bdf for e in ev} == {XTX[1], None}  # a label is not a PCI address

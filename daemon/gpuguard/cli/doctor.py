@@ -10,7 +10,7 @@ import sys
 
 from gpuguard.cli.pcie import add_source_args, load
 from gpuguard.hw.pcie_capture import CaptureError
-from gpuguard.policy.doctor import ConfigError, diagnose, exit_status, load_expected_links
+from gpuguard.policy.doctor import ConfigError, diagnose, exit_status, load_expected_links, resolve_expected
 
 
 def register(subparsers) -> None:
@@ -22,7 +22,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     try:
-        expected = load_expected_links(args.config) if args.config else {}
+        rules = load_expected_links(args.config) if args.config else []
     except ConfigError as e:
         print(f"gpuguard doctor: {e}", file=sys.stderr)
         return 2
@@ -32,7 +32,7 @@ def run(args) -> int:
         print(f"gpuguard doctor: {e}", file=sys.stderr)
         return 2
     try:
-        findings = diagnose(src.root, report, expected, lines)
+        findings = diagnose(src.root, report, resolve_expected(rules, report), lines)
     finally:
         src.close()
     status = exit_status(findings)
