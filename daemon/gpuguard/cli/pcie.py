@@ -104,6 +104,8 @@ def run(args) -> int:
             return 1
         print(f"wrote {args.capture}: {s.devices} PCI functions, {s.files} files, {s.links} links, "
               f"{s.errors} unreadable")
+        if s.devices == 0:
+            print("no GPU found: nothing on a GPU path to capture; --all-devices captures every PCI function")
         return 0
     try:
         src, report, _ = load(args)
