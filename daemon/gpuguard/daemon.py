@@ -16,8 +16,11 @@ from typing import Any, Callable
 import uvicorn
 
 from gpuguard.config import Config, ConfigError, load_config
+from gpuguard.hw.pcie import PcieCollector
+from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sources import default_sources
 from gpuguard.hw.sysfs import SysfsRoot
+from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
 from gpuguard.sinks.metrics import MetricsSink
@@ -74,6 +77,10 @@ class Daemon:
             timeout=config.poll.timeout_seconds,
             discover_every=config.poll.discover_seconds,
         )
+        self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds)
+        self.metrics.add_producer(
+            PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=lambda: dict(self.poller.names)).collect
+        )
         self.app = build_app(self.hub, self.metrics)
         self.notify = Notifier()
         self.stop_event = asyncio.Event()
@@ -92,6 +99,11 @@ class Daemon:
             self.poller.on_cycle.append(lambda snap: rec.record(snap))
             self.hub.on_event(lambda e: rec.record(events=[e]))
         self.hub.on_event(self._log_event)
+
+    def expected_links(self) -> dict[str, ExpectedLink]:
+        """bdf -> expected slot link, from `gpus[].expect_link` and today's GPU names."""
+        by_name = {g.name: g.expect_link for g in self.config.gpus if g.expect_link is not None}
+        return {bdf: by_name[name] for bdf, name in self.poller.names.items() if name in by_name}
 
     @staticmethod
     def _log_event(e) -> None:
@@ -121,6 +133,7 @@ class Daemon:
             self.poller.interval = new.poll.interval_seconds
             self.poller.timeout = new.poll.timeout_seconds
             self.poller.discover_every = new.poll.discover_seconds
+            self.pcie.interval = new.poll.pcie_interval_seconds
             log.info("reload: config %s applied", self.config_path)
             return True
         finally:
@@ -173,6 +186,7 @@ class Daemon:
             )
             self.notify.send(f"READY=1\nSTATUS={summary_line(self.hub)}")
             self.tasks.append(asyncio.create_task(self.poller.run(self.stop_event), name="poller"))
+            self.tasks.append(asyncio.create_task(self.pcie.run(self.stop_event), name="pcie"))
             await self.stop_event.wait()
             return 0
         finally:

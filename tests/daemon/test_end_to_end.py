@@ -135,3 +135,23 @@ def test_late_gpu_is_picked_up(sim, start_daemon, wait_for):
     wait_for(lambda: d.value("gpuguard_gpu_up", gpu="r9700-b") == 1.0, what="the late card", timeout=10)
     kinds = [e["kind"] for e in __import__("httpx").get(f"{d.base}/v1/events").json()]
     assert "gpu_appeared" in kinds
+
+
+def test_pcie_metrics_and_findings_from_the_running_daemon(sim, start_daemon, wait_for):
+    d = start_daemon(sim.mount, NAMES.replace('{name: r9700-a, match: {pci_id: "1002:7551", index: 0}}',
+                                                 '{name: r9700-a, match: {pci_id: "1002:7551", index: 0}, expect_link: {gen: 4, width: 16}}'))
+    wait_for(lambda: d.value("gpuguard_gpu_pcie_bottleneck_bytes_per_second", gpu="xtx-0"), what="the PCIe report")
+    m = d.metrics()
+    # INCIDENTS §4: the XTX slot hop trained at 5 GT/s x16 (8b/10b: 8 GB/s per direction)
+    assert m[("gpuguard_gpu_pcie_bottleneck_bytes_per_second", (("gpu", "xtx-0"),))] == 8.0e9
+    # R9700: Gen3 x16 at the root port, 128b/130b
+    assert m[("gpuguard_gpu_pcie_bottleneck_bytes_per_second", (("gpu", "r9700-a"),))] == pytest.approx(8e9 * 128 / 130 * 16 / 8)
+    downgraded = {dict(l)["bdf"] for (n, l), v in m.items() if n == "gpuguard_pcie_link_downgraded" and v == 1 and dict(l)["gpu"] == "xtx-0"}
+    assert downgraded and downgraded <= {"0000:a7:00.0", "0000:a8:00.0"}
+    assert m[("gpuguard_gpu_bar_bytes", (("bar", "0"), ("gpu", "xtx-0")))] == 256 * 2**20
+    events = __import__("httpx").get(f"{d.base}/v1/events").json()
+    kinds = [(e["kind"], e["bdf"]) for e in events]
+    # expect_link Gen4 on an R9700 that sits behind a Gen3 root port: alert-grade
+    expect = [e for e in events if e["kind"] == "pcie_expect_link"]
+    assert expect and expect[0]["severity"] == "alert" and expect[0]["bdf"] == "0000:05:00.0", kinds
+    assert ("pcie_bar", "0000:aa:00.0") in kinds
