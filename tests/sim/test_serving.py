@@ -233,3 +233,62 @@ def test_fuse_as_separate_process_with_control(tmp_path):
     assert proc.returncode == 0, err.decode()[-2000:]
     assert not os.path.ismount(mp)
     assert b"Traceback" not in err
+
+
+@needs_fuse
+def test_fuse_non_root_writer_gets_eacces():
+    import tempfile
+    h = SimHost.incident(seed=1)
+    mnt = tempfile.mkdtemp(prefix="gpuguard-sim-")   # pytest's tmp_path is 0700: nobody can't enter
+    os.chmod(mnt, 0o755)
+    with mount(h, mnt) as mp:
+        od = mp + h.device_path(R9700) + "/pp_od_clk_voltage"
+        busy = mp + h.device_path(R9700) + "/gpu_busy_percent"
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                        # child: drop to nobody, read, try to write
+            code = 1
+            try:
+                os.close(r)
+                os.setgid(65534)
+                os.setuid(65534)
+                reading = os_read(busy).strip().decode()
+                try:
+                    os.close(os.open(od, os.O_WRONLY))
+                    result = "opened"
+                except OSError as e:
+                    result = str(e.errno)
+                os.write(w, f"{reading} {result}".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        out = os.read(r, 100).decode()
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        reading, opened = out.split()
+        assert reading.isdigit()
+        assert int(opened) == errno.EACCES
+    os.rmdir(mnt)
+
+
+def test_tree_as_separate_process_without_fuse(tmp_path):
+    root, sock = tmp_path / "tree", str(tmp_path / "ctl.sock")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "daemon"))
+    proc = subprocess.Popen([sys.executable, "-m", "gpuguard.sim.tree", str(root), "--control", sock,
+                             "--step-interval", "0.1", "--scenario", "incident-late"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: os.path.exists(sock), what="control socket")
+        assert "0000:08:00.0" not in send(sock, "gpus")
+        assert not (root / "sys/bus/pci/devices/0000:08:00.0").exists()
+        wait_for(lambda: (root / "sys/bus/pci/devices/0000:08:00.0/vendor").exists(), timeout=15,
+                 what="the late GPU in the plain tree")
+        st = send(sock, "state")["gpus"]["0000:08:00.0"]
+        assert (root / f"sys/class/drm/card{st['card']}/device/device").read_bytes() == b"0x7551\n"
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"Traceback" not in err

@@ -76,3 +76,13 @@ def test_variants():
     for f in big.functions:
         if f.secondary is not None:
             assert f.secondary > int(f.bdf.split(":")[1], 16) and f.subordinate >= f.secondary
+
+
+def test_pp_dpm_pcie_follows_the_slot(incident):
+    h = incident
+    # R9700 behind a Gen3 root port: the SMU's PCIe levels are capped at the partner's 8 GT/s.
+    r = h.read(f"{h.device_path('0000:05:00.0')}/pp_dpm_pcie")
+    assert r == b"0: 2.5GT/s, x16 250Mhz \n1: 8.0GT/s, x16 1143Mhz *\n"
+    # XTX whose slot trained at 5 GT/s: no level matches the running link, none is marked.
+    x = h.read(f"{h.device_path('0000:aa:00.0')}/pp_dpm_pcie")
+    assert x.count(b"16.0GT/s, x16") == 3 and b"*" not in x

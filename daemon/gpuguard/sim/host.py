@@ -360,9 +360,9 @@ class SimHost(FaultInjection):
             if real not in self.nodes:
                 raise oserror(errno.ENODEV, path)   # removed while we waited (kernfs)
             if g is not None:
+                g.check_read(node.filedef.gated)
                 if node.name in g.faults.garbage:
                     return g.faults.garbage[node.name]
-                g.check_read(node.filedef.gated)
             return node.filedef.render()
 
     def write(self, path: str, data: bytes, uid: int = 0) -> int:

@@ -12,7 +12,8 @@ removes directories and links as GPUs appear, vanish or renumber.
 Limitations, by nature of a plain directory (use the FUSE mount for these):
 - errno results are not the kernel's: a refused write just reverts the file on the next
   refresh (the reason is in host.kernel_log); a file whose read fails in the model
-  (EIO, EPERM, ...) is removed, so readers see ENOENT; a blocked file cannot block.
+  (EIO, EPERM, ...) is removed, so readers see ENOENT; a blocked file keeps its
+  last content instead of blocking.
 - only the last write between two refreshes is seen, one command per file: several OD
   commands (`s`, `vo`, `c`) written in a burst need a refresh between them.
 """
@@ -92,8 +93,10 @@ class TreeWriter:
                 os.symlink(target, self._disk(p))
                 self.links[p] = target
         for p, node in want_files.items():
+            if node.gpu is not None and node.name in node.gpu.faults.blocked:
+                continue     # cannot block a plain file: keep its last content
             try:
-                data = self.host.read(p) if not (node.gpu and node.name in node.gpu.faults.blocked) else None
+                data = self.host.read(p)
             except OSError:
                 data = None
             if data is None:
