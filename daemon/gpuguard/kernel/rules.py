@@ -33,7 +33,7 @@ IGNORE_KIND = "none"
 _HEX = "[0-9A-Fa-f]"
 # `dddd:bb:dd.f` with an optional domain; NVRM writes `PCI:dddd:bb:dd` (no function).
 _ADDRESS_RE = re.compile(
-    rf"(?P<nvrm>PCI:(?P<n_dom>{_HEX}{{4}}):(?P<n_bus>{_HEX}{{2}}):(?P<n_dev>{_HEX}{{2}})(?:\.(?P<n_fn>[0-7]))?)"
+    rf"(?P<nvrm>[Pp][Cc][Ii]:(?P<n_dom>{_HEX}{{4}}):(?P<n_bus>{_HEX}{{2}}):(?P<n_dev>{_HEX}{{2}})(?:\.(?P<n_fn>[0-7]))?)"
     rf"|(?<![0-9A-Za-z:])(?:(?P<dom>{_HEX}{{4}}):)?(?P<bus>{_HEX}{{2}}):(?P<dev>[01]{_HEX})\.(?P<fn>[0-7])(?![0-9A-Za-z])"
 )
 

@@ -124,8 +124,8 @@ def parse_saved_log(lines: Iterable[str | bytes]) -> Iterator[LogEntry]:
             current = None
             continue
         if (current is not None and current["raw"] is None and stamp and stamp == current["stamp"]
-                and msg.startswith("NVRM:") and current["text"][0].startswith("NVRM:")
-                and not current["text"][-1].rstrip().endswith(".") and not msg.startswith("NVRM: Xid")):
+                and msg.startswith("NVRM:") and current["text"][0].startswith("NVRM: The NVIDIA GPU ")
+                and len(current["text"]) < 5 and not current["text"][-1].rstrip().endswith(".")):
             # syslog splits NVRM's multi-line record ("The NVIDIA GPU <bdf>" / "… has" /
             # "fallen off the bus …") into lines with one stamp: put it back together.
             current["text"].append(msg)
