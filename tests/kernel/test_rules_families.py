@@ -197,3 +197,15 @@ def test_bad_rule_files_name_file_rule_and_key(tmp_path, body, needle):
 def test_missing_rule_file_says_what_to_fix(tmp_path):
     with pytest.raises(RulesError, match="cannot read it.*kernel.rules_file"):
         Rules.load(extra_file=tmp_path / "nope.yaml")
+
+
+def test_the_literal_prefilter_never_changes_a_result(rules, labelled):
+    """Rules skip their regex when none of the literals every match must contain is in
+    the line; that shortcut must give the same answer as running every regex."""
+    from dataclasses import replace
+
+    plain = Rules([replace(r, needles=None) for r in rules.rules])
+    assert sum(r.needles is not None for r in rules.rules) >= len(rules.rules) - 2
+    texts = [t for t, _, _ in POSITIVE] + NEGATIVE + [i["text"] for i in labelled]
+    for text in texts:
+        assert rules.classify(text) == plain.classify(text), text
