@@ -38,6 +38,11 @@ POSITIVE = [
     ("amdgpu 0000:03:00.0: amdgpu: GPU mode1 reset failed", "gpu_reset_failed", "0000:03:00.0"),
     ("amdgpu 0000:03:00.0: amdgpu: Ring gfx_0.1.0 reset failed", "gpu_reset_failed", "0000:03:00.0"),
     ("amdgpu 0000:03:00.0: amdgpu: JPEG queue reset failed", "gpu_reset_failed", "0000:03:00.0"),
+    ("amdgpu 0000:03:00.0: amdgpu: GPU reset end with ret = -110", "gpu_reset_failed", "0000:03:00.0"),
+    ("amdgpu 0000:03:00.0: amdgpu: GPU reset end with ret = 0", "gpu_reset_ok", "0000:03:00.0"),
+    ("amdgpu 0000:03:00.0: amdgpu: soft reset failed, will fallback to full reset!", "gpu_reset_failed", "0000:03:00.0"),
+    ("[drm:amdgpu_mes_unmap_legacy_queue [amdgpu]] *ERROR* failed to unmap legacy queue", "gpu_hang", None),
+    ("amdgpu 0000:03:00.0: amdgpu: IP block:gfx_v11_0 is hung!", "gpu_hang", "0000:03:00.0"),
     # device lost
     ("amdgpu 0000:0a:00.0: amdgpu: device lost from bus!", "device_lost", "0000:0a:00.0"),
     ("NVRM: GPU 0000:65:00.0: GPU has fallen off the bus.", "device_lost", "0000:65:00.0"),
@@ -64,11 +69,17 @@ POSITIVE = [
     ("pcieport 0000:00:03.1: DPC: containment event, status:0x1f01 source:0x0000", "pcie_link_down", "0000:00:03.1"),
     ("pcieport 0000:a0:02.0: pciehp: Slot(7-1): Link Down", "pcie_link_down", "0000:a0:02.0"),
     ("pciehp 0000:a2:08.0:pcie204: Slot(12): Link Down event", "pcie_link_down", "0000:a2:08.0"),
+    ("pcieport 0000:00:1c.0: AER: device recovery failed", "pcie_aer_uncorrected", "0000:00:1c.0"),
+    ("pcieport 0000:00:1c.0: DPC: ERR_FATAL detected", "pcie_aer_uncorrected", "0000:00:1c.0"),
+    ("pcieport 0000:00:1c.0: pciehp: Slot(2): Data Link Layer Link Active not set in 1000 msec", "pcie_link_down", "0000:00:1c.0"),
     # P2P, BAR
+    ("nvme 0000:41:00.0: cannot be used for peer-to-peer DMA as ACS redirect is not set between the client and provider (0000:21:00.0)", "p2p_unsupported", "0000:41:00.0"),
+    ("amdgpu 0000:03:00.0: amdgpu: Not enough PCI address space for a large BAR.", "bar_size", "0000:03:00.0"),
     ("amdgpu 0000:aa:00.0: amdgpu: PCIe P2P access from peer device 0000:05:00.0 is not supported by the chipset", "p2p_unsupported", "0000:aa:00.0"),
     ("nvme 0000:41:00.0: cannot be used for peer-to-peer DMA as the client and provider (0000:21:00.0) do not share an upstream bridge or whitelisted host bridge", "p2p_unsupported", "0000:41:00.0"),
     ("amdgpu 0000:aa:00.0: amdgpu: Detected VRAM RAM=24560M, BAR=256M", "bar_size", "0000:aa:00.0"),
     # thermal
+    ("amdgpu: GPU over temperature range detected on PCIe 3:0.0!", "thermal_throttle", None),
     ("amdgpu 0000:03:00.0: amdgpu: WARN: GPU is throttled, expect performance decrease. PPT, TDC.", "thermal_throttle", "0000:03:00.0"),
     ("amdgpu 0000:03:00.0: amdgpu: ERROR: System is going to shutdown due to GPU HW CTF!", "thermal_throttle", "0000:03:00.0"),
     ("CPU12: Package temperature above threshold, cpu clock throttled (total events = 48)", "thermal_throttle", None),
@@ -112,6 +123,10 @@ NEGATIVE = [
     "task:python3         state:D stack:0     pid:9121  tgid:9121  ppid:1      flags:0x00004002",
     "BUG: unable to handle page fault for address: ffffc90000a1b000",
     "amdgpu 0000:03:00.0: amdgpu: PCIE atomic ops is not supported",
+    "pcieport 0000:00:1c.0: AER: broadcast resume message",
+    "pcieport 0000:00:1c.0: AER: device recovery successful",
+    "amdgpu 0000:03:00.0: amdgpu: Dumping IP State Completed",
+    "amdgpu: GPU under temperature range detected on PCIe 3:0.0!",
 ]
 
 

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +196,7 @@ class KmsgReader:
         self._save_handle: asyncio.TimerHandle | None = None
         self._saved_seq: int | None = None
         self._state_warned = False
+        self._save_lock = threading.Lock()
         # The one seam for tests: the ring cannot be made to overwrite on demand everywhere.
         self._os_read: Callable[[int, int], bytes] = os.read
 
@@ -232,6 +234,10 @@ class KmsgReader:
     def save_state(self) -> None:
         """Write the last handled sequence number atomically (tmp file, fsync, rename)."""
         self._save_handle = None
+        with self._save_lock:
+            self._save_locked()
+
+    def _save_locked(self) -> None:
         if self.state_file is None or self.done_seq is None or self.done_seq == self._saved_seq:
             return
         data = json.dumps({"boot_id": self._boot_id, "seq": self.done_seq}).encode()
@@ -260,7 +266,9 @@ class KmsgReader:
         except RuntimeError:
             self.save_state()
             return
-        self._save_handle = loop.call_later(self.save_interval, self.save_state)
+        # fsync may stall on a slow disk: save from a worker thread, never on the loop.
+        self._save_handle = loop.call_later(
+            self.save_interval, lambda: loop.run_in_executor(None, self.save_state))
 
     # ── opening ─────────────────────────────────────────────────────────────────
     def open(self) -> None:
