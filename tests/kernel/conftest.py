@@ -62,6 +62,15 @@ def tag() -> str:
     return f"gpuguard-test-{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture
+def kmsg_readable() -> None:
+    """Skips unless /dev/kmsg can be opened for reading (dmesg_restrict needs CAP_SYSLOG)."""
+    try:
+        os.close(os.open(KMSG, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError as e:
+        pytest.skip(f"cannot read {KMSG}: {e.strerror}")
+
+
 @pytest.fixture(scope="session")
 def labelled(reference: Path) -> list[dict]:
     with open(reference / "kmsg" / "lines.jsonl", encoding="utf-8") as f:

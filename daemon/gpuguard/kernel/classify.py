@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable
 
 from gpuguard.kernel.kmsg import KmsgRecord
-from gpuguard.kernel.rules import Match, normalise_bdf
+from gpuguard.kernel.rules import Match
 from gpuguard.state.events import Event
 
 GpuNameForBdf = Callable[[str], "str | None"]
@@ -70,4 +70,4 @@ def to_event(record: KmsgRecord, match: Match, gpu_name_for_bdf: GpuNameForBdf |
     )
 
 
-__all__ = ["attribute", "to_event", "wall_time_of", "normalise_bdf", "GpuNameForBdf"]
+__all__ = ["attribute", "to_event", "wall_time_of", "GpuNameForBdf"]

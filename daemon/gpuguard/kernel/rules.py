@@ -20,7 +20,6 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gpuguard.state.events import SEVERITIES
 
 BUILTIN_KINDS = (
     "gpu_hang", "gpu_reset_start", "gpu_reset_ok", "gpu_reset_failed", "device_lost",
