@@ -255,13 +255,14 @@ def test_flood_of_10000_records_does_not_block_a_ticker(kmsg_writer, tag):
     async def main():
         reader = KmsgReader(allow_userspace=True)
         router = KernelEventRouter(Rules.load(), gpu_name_for_bdf={"0000:aa:00.0": "gpu-aa"}.get)
-        seen = 0
+        seen = hangs = 0
         finished = False
 
         def handle(rec):
-            nonlocal seen, finished
+            nonlocal seen, hangs, finished
             if tag in rec.text:
                 seen += 1
+                hangs += "timeout" in rec.text
                 router.handle_record(rec)
                 finished = finished or rec.text.endswith(f"{tag} done")
 
@@ -286,12 +287,14 @@ def test_flood_of_10000_records_does_not_block_a_ticker(kmsg_writer, tag):
         stop.set()
         await tick
         await _stop(task)
-        return done, seen, reader.lost_records - lost_before, max(lateness), router
+        return done, seen, hangs, reader.lost_records - lost_before, max(lateness), router
 
-    done, seen, lost, worst, router = asyncio.run(main())
+    done, seen, hangs, lost, worst, router = asyncio.run(main())
     assert done, f"only {seen} records seen, {lost} lost"
+    # Every record is either handled or counted as lost: a 128 KiB ring cannot hold a
+    # writer that outruns any reader, but nothing may vanish silently.
     assert seen + lost >= n + 1
-    assert seen > n // 2, f"the reader fell far behind: {seen} seen, {lost} lost"
+    assert seen >= 1000, f"the reader barely ran: {seen} seen, {lost} lost"
     # Every hang line that was seen was classified and counted for its GPU.
-    assert router.counts[("gpu-aa", "gpu_hang")] >= (seen - 1) // 2 - 1
+    assert router.counts[("gpu-aa", "gpu_hang")] == hangs > 0
     assert worst < 0.25, f"a 10 ms ticker was {worst * 1000:.0f} ms late"
