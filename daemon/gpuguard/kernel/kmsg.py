@@ -227,7 +227,7 @@ class KmsgReader:
             return (boot if isinstance(boot, str) else None), seq
         except (ValueError, KeyError, TypeError) as e:
             log.warning("kernel log state file %s is not gpuguard's JSON {boot_id, seq} (%s); "
-                        "starting at the end of the log; delete the file to silence this",
+                        "starting at the end of the log (the file is rewritten with the new position)",
                         self.state_file, e)
             return None
 
@@ -238,9 +238,10 @@ class KmsgReader:
             self._save_locked()
 
     def _save_locked(self) -> None:
-        if self.state_file is None or self.done_seq is None or self.done_seq == self._saved_seq:
+        seq = self.done_seq  # the loop thread may move it on while this thread writes
+        if self.state_file is None or seq is None or seq == self._saved_seq:
             return
-        data = json.dumps({"boot_id": self._boot_id, "seq": self.done_seq}).encode()
+        data = json.dumps({"boot_id": self._boot_id, "seq": seq}).encode()
         tmp = self.state_file.with_name(self.state_file.name + ".tmp")
         try:
             self.state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +252,7 @@ class KmsgReader:
             finally:
                 os.close(fd)
             os.replace(tmp, self.state_file)
-            self._saved_seq = self.done_seq
+            self._saved_seq = seq
         except OSError as e:
             if not self._state_warned:
                 log.warning("cannot save kernel log position to %s (%s): a restart may "
