@@ -6,6 +6,7 @@ import re
 from typing import Literal
 
 from gpuguard.hw.pcie_expect import ExpectedLink
+from gpuguard.kernel.config import KernelConfig
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BDF_RE = re.compile(r"^(?:[0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
@@ -92,6 +93,7 @@ class Config(Strict):
     gpus: list[GpuEntry] = []
     logging: LoggingConfig = LoggingConfig()
     recorder: RecorderConfig = RecorderConfig()
+    kernel: KernelConfig = KernelConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> "Config":
