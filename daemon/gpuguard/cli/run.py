@@ -29,6 +29,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"listen": config.listen.model_copy(update={"address": host or "127.0.0.1", "port": int(port)})})
     setup_logging(config.logging.level)
     daemon = Daemon(config, config_path=args.config, sysfs_root=args.sysfs_root)
+    from gpuguard.profiles import attach
+
+    attach(daemon)
     try:
         return asyncio.run(daemon.run())
     except RuntimeError as e:
