@@ -151,7 +151,8 @@ class Mounted:
             for path, data, err in self.fs.writes:
                 if err:
                     continue
-                bdf = next((p for p in path.split("/") if p.count(":") == 2 and p.endswith(".0")), "?")
+                bdfs = [p for p in path.split("/") if p.count(":") == 2 and "." in p]
+                bdf = bdfs[-1] if bdfs else "?"  # the device folder (the path is resolved)
                 out.setdefault(bdf, []).append(f"{os.path.basename(path)}: {data.strip()}")
         return out
 
@@ -160,4 +161,4 @@ class Mounted:
         self.host.release_all()
         if subprocess.run(["fusermount3", "-u", self.mountpoint], check=False, capture_output=True).returncode:
             subprocess.run(["fusermount3", "-u", "-z", self.mountpoint], check=False, capture_output=True)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=0.5)  # a lazily unmounted fs exits once its last fd closes
