@@ -65,9 +65,9 @@ def effective_findings(
     for (pname, _model), members in groups.items():
         if len(members) < 2:
             continue
-        med = statistics.median(observed[m.name] for m in members)
         for m in members:
             mhz = observed[m.name]
+            med = statistics.median(observed[o.name] for o in members if o is not m)  # the others
             if med > 0 and abs(mhz - med) / med > tolerance:
                 others = ", ".join(f"{o.name} {observed[o.name]:.0f} MHz" for o in members if o is not m)
                 findings.append(ClockFinding(m.name, pname, "peer_mismatch", mhz, med,
