@@ -22,6 +22,7 @@ class SimFs(mfusepy.Operations):
         self.host = host
         self.overlay = dict(overlay or {})
         self.writes: list[tuple[str, str, int]] = []  # (path, data, errno or 0) in order
+        self.reads: dict[str, int] = {}  # basename of the device folder/file -> reads (to see a poller run)
         self._fh = itertools.count(1)
         self._cache: dict[int, bytes] = {}
         self._wlock = threading.Lock()
@@ -84,6 +85,9 @@ class SimFs(mfusepy.Operations):
             return self._kmsg()[offset:offset + size]
         if path in self.overlay:
             return self.overlay[path][offset:offset + size]
+        if offset == 0:
+            key = "/".join(path.rsplit("/", 2)[-2:])
+            self.reads[key] = self.reads.get(key, 0) + 1
         if offset == 0 or fh not in self._cache:
             try:
                 self._cache[fh] = self.host.read(path)

@@ -136,7 +136,7 @@ def test_run_applies_incident_profiles_before_ready(tmp_path, mount_sim):
 @pytest.fixture
 def late_host():
     host = SimHost.incident()
-    host.add_late_gpu("0000:08:00.0", after_s=1.5)  # INCIDENTS §2 was 5 s; same mechanism, shorter
+    host.add_late_gpu("0000:08:00.0")  # absent at boot; `appear()` is the sim's late-card path
     return host
 
 
@@ -145,9 +145,14 @@ def test_wait_for_gpus_applies_to_the_late_card_before_ready(tmp_path, mount_sim
     assert "0000:08:00.0" not in m.host.gpus
     d = Daemon(tmp_path, write_config(tmp_path, m.mountpoint, wait_for=4))
     try:
-        t0 = time.monotonic()
+        # the daemon is up and polling the three present cards, and waits: nothing written
+        wait_until(lambda: m.fs.reads.get("0000:05:00.0/pp_od_clk_voltage", 0) >= 1, 30, "first poll")
+        wait_until(lambda: m.fs.reads.get("0000:aa:00.0/uevent", 0) + m.fs.reads.get("0000:aa:00.0/class", 0) >= 3,
+                   30, "discovery rounds while waiting")
+        assert m.fs.writes == []
+        assert not [x for x in d.messages if "READY=1" in x.split("\n")]
+        m.host.appear("0000:08:00.0")  # INCIDENTS §2: the second card's node shows up late
         d.wait_for("READY=1")
-        assert time.monotonic() - t0 >= 1.0  # it waited for the card
         assert verified_gpus(tmp_path / "state") == set(GPUS)
         assert "pp_od_clk_voltage: c" in m.writes_by_gpu()["0000:08:00.0"]
     finally:
@@ -159,7 +164,8 @@ def test_late_card_after_ready_is_applied_on_appearance(tmp_path, mount_sim, lat
     d = Daemon(tmp_path, write_config(tmp_path, m.mountpoint, wait_for=3))
     try:
         d.wait_for("READY=1")
-        assert "r9700-b" not in verified_gpus(tmp_path / "state")
+        assert verified_gpus(tmp_path / "state") == set(GPUS) - {"r9700-b"}
+        m.host.appear("0000:08:00.0")
         wait_until(lambda: "r9700-b" in verified_gpus(tmp_path / "state"), 30, "late card verified")
         rec = [r for r in read_audit(tmp_path / "state" / "audit.log") if r["action"] == "verified" and r["gpu"] == "r9700-b"]
         assert "appeared" in rec[0]["why"]
