@@ -22,10 +22,14 @@ class SimFs(mfusepy.Operations):
         self.host = host
         self.overlay = dict(overlay or {})
         self.writes: list[tuple[str, str, int]] = []  # (path, data, errno or 0) in order
+        self.started = threading.Event()  # set by init(), after libfuse's setup
         self.reads: dict[str, int] = {}  # basename of the device folder/file -> reads (to see a poller run)
         self._fh = itertools.count(1)
         self._cache: dict[int, bytes] = {}
         self._wlock = threading.Lock()
+
+    def init(self, path):
+        self.started.set()
 
     def _kmsg(self) -> bytes:
         return "".join(self.host.kmsg_lines()).encode()
@@ -120,6 +124,7 @@ class Mounted:
         self.mountpoint = mountpoint
         self.fs = SimFs(host, overlay)
         self._stop = threading.Event()
+        cwd = os.getcwd()
         self._thread = threading.Thread(
             target=mfusepy.FUSE, args=(self.fs, mountpoint),
             kwargs=dict(foreground=True, nothreads=False, direct_io=True, attr_timeout=0, entry_timeout=0,
@@ -131,6 +136,12 @@ class Mounted:
             if time.monotonic() > deadline:
                 raise RuntimeError("FUSE mount did not come up")
             time.sleep(0.01)
+        # libfuse's fuse_daemonize() does chdir("/") for the whole process; give the tests
+        # their working directory back (wait for the FUSE loop to have started first).
+        while not self.fs.started.wait(0.01):
+            if time.monotonic() > deadline:
+                break
+        os.chdir(cwd)
         # The simulator's clock: late cards, resets and the load model advance with it.
         self._clock = threading.Thread(target=self._tick, args=(tick,), daemon=True)
         self._clock.start()
