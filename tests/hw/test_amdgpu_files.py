@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuguard.hw import amdgpu_files as f
 from gpuguard.hw.amdgpu import parser_for
@@ -332,3 +334,27 @@ def test_bad_content_is_rejected_naming_the_file(parse, data, words):
         parse(data, path)
     assert str(exc.value).startswith(path + ":")
     assert words in str(exc.value)
+
+
+def test_parser_for_names_and_unknown_kinds():
+    assert parser_for("gpu_od/fan_ctrl/acoustic_limit_rpm_threshold") is f.parse_od_fan_setting
+    assert parser_for("hwmon/hwmon3/temp2_emergency") is f.parse_millicelsius
+    assert parser_for("pp_dpm_fclk") is f.parse_dpm
+    with pytest.raises(KeyError, match="gpu_metrics"):
+        parser_for("gpu_metrics")  # binary struct: deliberately no text parser
+
+
+@settings(max_examples=int(os.environ.get("GPUGUARD_FUZZ_EXAMPLES", "300")), deadline=None, database=None)
+@given(
+    entry=st.sampled_from(_entries() or [None]),
+    cut=st.integers(min_value=0, max_value=1600),
+    junk=st.binary(max_size=8),
+)
+def test_damaged_small_files_fail_only_with_a_format_error(amdgpu_ref, entry, cut, junk):
+    # A short read or garbage never escapes as another exception type.
+    raw = (amdgpu_ref / entry["file"]).read_bytes()
+    data = raw[:cut] + junk + raw[cut + len(junk):]
+    try:
+        parser_for(attribute(entry))(data, entry["file"])
+    except AmdgpuFormatError as e:
+        assert str(e).startswith(entry["file"])

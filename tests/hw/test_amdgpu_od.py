@@ -2,7 +2,11 @@
 unseen layouts and lines are rejected with the file and line named."""
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuguard.hw.amdgpu_files import AmdgpuFormatError
 from gpuguard.hw.amdgpu_od import parse_od
@@ -278,9 +282,11 @@ def test_unseen_lines_fail_loudly_naming_file_and_line(text, line_no, words):
         # An SCLK_OFFSET range belongs to RDNA4 only; on an RDNA3 layout it is unknown.
         (RDNA3 + "SCLK_OFFSET: -500Mhz 1000Mhz\n", "not part of the rdna3 layout"),
         (RDNA3.replace("OD_RANGE:", "OD_SCLK_OFFSET:\n0Mhz\nOD_RANGE:"), "OD_SCLK is not part of the rdna4 layout"),
+        # Found by the damaged-file property test: a lost OD_MCLK header left a KeyError.
+        (RDNA3.replace("OD_MCLK:\n0: 97Mhz\n1: 1250MHz\n", ""), "the rdna3 layout lacks section OD_MCLK"),
         ("OD_VDDC_CURVE:\n0: 1.5V\nOD_RANGE:\nSCLK: 1Mhz 2Mhz\n", "OD_VDDC_CURVE line of unknown shape"),
     ],
-    ids=["minmax-without-vddgfx", "no-range", "empty-section", "foreign-range", "mixed-sclk", "curve-shape"],
+    ids=["minmax-without-vddgfx", "no-range", "empty-section", "foreign-range", "mixed-sclk", "missing-mclk", "curve-shape"],
 )
 def test_unseen_layouts_are_rejected(text, words):
     with pytest.raises(AmdgpuFormatError, match=words):
@@ -305,3 +311,23 @@ def test_nul_inside_a_line_is_whitespace_not_glue():
     text = RDNA3.replace("1: 1250MHz\n", "1: 1250MHz\0\0\0")
     with pytest.raises(AmdgpuFormatError, match="line 6"):
         parse_od(text)
+
+
+@settings(max_examples=int(os.environ.get("GPUGUARD_FUZZ_EXAMPLES", "300")), deadline=None, database=None)
+@given(
+    base=st.sampled_from(sorted(EXPECTED)),
+    cut=st.integers(min_value=0, max_value=2000),
+    junk=st.binary(max_size=12),
+)
+def test_damaged_files_parse_or_fail_with_a_format_error(amdgpu_ref, base, cut, junk):
+    # Truncated or corrupted output (a short read, a hung SMU) must never escape as any
+    # other exception: the poller turns AmdgpuFormatError into od_error, nothing else.
+    raw = (amdgpu_ref / base).read_bytes()
+    data = raw[:cut] + junk + raw[cut + len(junk):]
+    try:
+        od = parse_od(data, base)
+    except AmdgpuFormatError as e:
+        assert str(e).startswith(base)
+    else:
+        assert od.format in {"empty", "apu", "apu-cclk", "smu7-table", "vega10-table", "navi1x-curve",
+                             "navi2x", "rdna3-curve", "rdna3", "rdna4", "rdna4-limits"}

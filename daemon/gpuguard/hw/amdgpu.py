@@ -81,6 +81,9 @@ class Probe:
     label: object = None
 
 
+_GROUPS = (None, "temperatures", "temperature_limits", "clocks_hz", "voltages")
+
+
 @dataclass(frozen=True)
 class AmdGpuDevice:
     """One amdgpu GPU as found at discovery, with every poll path resolved."""
@@ -99,6 +102,11 @@ class AmdGpuDevice:
     od_path: str | None = None
     od_disabled_reason: str | None = None  # why `od_path` is None
     probes: tuple[Probe, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        # The poll loop walks plain tuples (no attribute lookups per value).
+        plan = tuple((p.key, p.path, p.parse, _GROUPS.index(p.group), p.label) for p in self.probes)
+        object.__setattr__(self, "_plan", plan)
 
     def poll_paths(self) -> tuple[str, ...]:
         """Host-style paths a `read_gpu` of an awake GPU reads, in order (for the
@@ -215,7 +223,8 @@ def _hwmon_probes(root: SysfsRoot, hw: str) -> tuple[Probe, ...]:
         m = _SENSOR.match(name)
         if m:
             try:
-                labels[(m.group(1), int(m.group(2)))] = files.parse_label(root.read_bytes(f"{hw}/{name}"), f"{hw}/{name}")
+                path = f"{hw}/{name}"
+                labels[(m.group(1), int(m.group(2)))] = files.parse_label(root.read_bytes(path), path)
             except (SysfsError, ValueError) as e:
                 log.warning("hwmon label unreadable: %s", e)
     probes: list[Probe] = []
@@ -226,22 +235,24 @@ def _hwmon_probes(root: SysfsRoot, hw: str) -> tuple[Probe, ...]:
     # Temperatures by label (edge/junction/mem), with their crit/emergency limits.
     for (kind, n), label in sorted(labels.items()):
         if kind == "temp" and has(f"temp{n}_input"):
-            probes.append(Probe(f"temperature_{label}", f"{hw}/temp{n}_input", files.parse_millicelsius, "temperatures", label))
+            probes.append(
+                Probe(f"temperature_{label}", f"{hw}/temp{n}_input", files.parse_millicelsius, "temperatures", label)
+            )
             for level in ("crit", "emergency"):
                 if has(f"temp{n}_{level}"):
-                    probes.append(
-                        Probe(f"temperature_{label}_{level}", f"{hw}/temp{n}_{level}", files.parse_millicelsius, "temperature_limits", (label, level))
-                    )
+                    key, path = f"temperature_{label}_{level}", f"{hw}/temp{n}_{level}"
+                    probes.append(Probe(key, path, files.parse_millicelsius, "temperature_limits", (label, level)))
     # Package power: the PPT sensor (slowPPT on VanGogh, which also has fastPPT).
-    power = [n for (kind, n), label in sorted(labels.items()) if kind == "power" and label in ("PPT", "slowPPT")]
-    n = power[0] if power else (1 if has("power1_average") or has("power1_input") else None)
+    ppt = [i for (kind, i), label in sorted(labels.items()) if kind == "power" and label in ("PPT", "slowPPT")]
+    n = ppt[0] if ppt else (1 if has("power1_average") or has("power1_input") else None)
     if n is not None:
         # power1_average is gone on newer RDNA3+ kernels, where power1_input is the reading.
         for name in (f"power{n}_average", f"power{n}_input"):
             if has(name):
                 probes.append(Probe("power_watts", f"{hw}/{name}", files.parse_microwatts))
                 break
-        for suffix, key in (("cap", "power_cap_watts"), ("cap_min", "power_cap_min_watts"), ("cap_max", "power_cap_max_watts"), ("cap_default", "power_cap_default_watts")):
+        for suffix in ("cap", "cap_min", "cap_max", "cap_default"):
+            key = f"power_{suffix}_watts"
             if has(f"power{n}_{suffix}"):
                 probes.append(Probe(key, f"{hw}/power{n}_{suffix}", files.parse_microwatts))
     for (kind, n), label in sorted(labels.items()):
@@ -347,22 +358,20 @@ def read_gpu(root: SysfsRoot, dev: AmdGpuDevice, name: str) -> GpuSnapshot:
             if runtime_status in _ASLEEP:
                 return GpuSnapshot(up=True, runtime_status=runtime_status, errors=errors, **ident)
         fields: dict[str, object] = {}
-        groups: dict[str, dict] = {"temperatures": {}, "temperature_limits": {}, "clocks_hz": {}, "voltages": {}}
+        groups: list[dict] = [fields, {}, {}, {}, {}]  # indexed like _GROUPS
         stale = False
-        for p in dev.probes:
+        read = root.read_bytes
+        for key, path, parse, gi, label in dev._plan:
             try:
-                value = p.parse(root.read_bytes(p.path), p.path)
+                value = parse(read(path), path)
             except SysfsError as e:
-                errors[p.key] = _read_error(root, dev, e)
+                errors[key] = _read_error(root, dev, e)
                 stale = stale or e.gone
                 continue
             except ValueError as e:
-                errors[p.key] = str(e)
+                errors[key] = str(e)
                 continue
-            if p.group is None:
-                fields[p.key] = value
-            else:
-                groups[p.group][p.label] = value
+            groups[gi][key if gi == 0 else label] = value
         od = None
         od_error = dev.od_disabled_reason
         if dev.od_path:
@@ -388,7 +397,10 @@ def read_gpu(root: SysfsRoot, dev: AmdGpuDevice, name: str) -> GpuSnapshot:
         od_error=od_error,
         errors=errors,
         extra=extra,
-        **groups,
+        temperatures=groups[1],
+        temperature_limits=groups[2],
+        clocks_hz=groups[3],
+        voltages=groups[4],
         **fields,
         **ident,
     )
@@ -403,7 +415,11 @@ _PARSERS: tuple[tuple[re.Pattern, Parse], ...] = tuple(
         (r"pp_dpm_\w+", files.parse_dpm),
         (r"pp_power_profile_mode", files.parse_power_profile_mode),
         (r"fan_curve", files.parse_fan_curve),
-        (r"(acoustic_limit_rpm|acoustic_target_rpm)_threshold|fan_target_temperature|fan_minimum_pwm|fan_zero_rpm_(enable|stop_temperature)", files.parse_od_fan_setting),
+        (
+            r"acoustic_(limit|target)_rpm_threshold|fan_target_temperature|fan_minimum_pwm"
+            r"|fan_zero_rpm_(enable|stop_temperature)",
+            files.parse_od_fan_setting,
+        ),
         (r"(current|max)_link_speed", files.parse_link_speed),
         (r"(current|max)_link_width", files.parse_link_width),
         (r"(gpu|mem)_busy_percent", files.parse_percent_ratio),

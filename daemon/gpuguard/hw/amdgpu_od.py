@@ -158,12 +158,12 @@ def _classify(sections: dict[str, _Section], file: str) -> str:
     if _LEVEL_MV.match(first):
         # smu7_hwmgr prints "%uMHz %umV", vega10_hwmgr "%uMhz %umV": same write syntax.
         return "smu7-table" if "MHz" in first else "vega10-table"
+    ranges = {r.split(":", 1)[0].strip() for _, r in sections["OD_RANGE"].lines}
+    if "VDDGFX_OFFSET" in ranges:
+        return "rdna3"
+    if "OD_VDDGFX_OFFSET" in sections:
+        return "navi2x"
     if "OD_MCLK" in sections:
-        ranges = {r.split(":", 1)[0].strip() for _, r in sections["OD_RANGE"].lines}
-        if "VDDGFX_OFFSET" in ranges:
-            return "rdna3"
-        if "OD_VDDGFX_OFFSET" in sections:
-            return "navi2x"
         raise AmdgpuFormatError(
             file, "OD_SCLK/OD_MCLK without OD_VDDGFX_OFFSET or a curve: a layout not seen before"
         )
@@ -214,9 +214,22 @@ def _table(sec: _Section, file: str, pattern: re.Pattern, what: str) -> tuple:
     return tuple(g[1:] if len(g) > 2 else g[1] for _, _, g in rows)
 
 
+class _NeedSections(dict):
+    """Sections by name; a required one that is absent raises a format error (not a
+    KeyError) when the builder reaches it, so line errors earlier in the file win."""
+
+    def __init__(self, sections: dict[str, _Section], fmt: str, file: str) -> None:
+        super().__init__(sections)
+        self.fmt, self.file = fmt, file
+
+    def __missing__(self, name: str) -> _Section:
+        raise AmdgpuFormatError(self.file, f"the {self.fmt} layout lacks section {name}")
+
+
 def _build(fmt: str, sections: dict[str, _Section], file: str) -> OdState:
     settings: dict[str, int] = {}
     tables: dict[str, tuple] = {}
+    sections = _NeedSections(sections, fmt, file)
     sec = sections.get
     if fmt in ("apu", "apu-cclk", "navi2x", "rdna3", "navi1x-curve", "rdna3-curve"):
         settings.update(_min_max(sections["OD_SCLK"], file, "sclk", (0, 1)))
@@ -232,8 +245,7 @@ def _build(fmt: str, sections: dict[str, _Section], file: str) -> OdState:
             raise AmdgpuFormatError(file, f"OD_VDDC_CURVE: expected 6 zones, read {len(zones)}")
         tables["vddc_curve_offset_mv"] = zones
     if fmt in ("navi2x", "rdna3", "rdna4", "rdna4-limits"):
-        if "OD_VDDGFX_OFFSET" in sections:
-            settings["vddgfx_offset_mv"] = _single(sections["OD_VDDGFX_OFFSET"], file, _MV, "'<mV>mV'")
+        settings["vddgfx_offset_mv"] = _single(sections["OD_VDDGFX_OFFSET"], file, _MV, "'<mV>mV'")
     if fmt == "rdna4":
         settings["sclk_offset_mhz"] = _single(sections["OD_SCLK_OFFSET"], file, _MHZ, "'<offset>Mhz'")
     if fmt == "rdna4-limits":

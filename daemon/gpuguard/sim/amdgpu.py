@@ -23,7 +23,7 @@ from typing import Callable
 from .cards import CardModel, KernelEra
 from .kmsg import KERN_ERR, KERN_INFO, KERN_WARNING, KernelLog
 from .load import LoadModel, Sensors
-from .od import Navi2xOd, OdRefused, OdTable, Smu13Od, Smu14Od, parse_command
+from .od import Navi2xOd, OdRefused, OdTable, Smu13Od, Smu14Od, kstrtol, parse_command
 from .topology import PciFunction
 
 PERF_LEVELS = ("low", "high", "auto", "manual", "profile_exit", "profile_standard",
@@ -68,6 +68,7 @@ class Faults:
     ignore_next: set = field(default_factory=set)      # {"commit", "stage", "power_cap"}
     lost_stage: int = 0                                # 0 ok, 1 failing, 2 removed
     lost_errno: int = errno.EIO
+    removal_in: int = 1                                # steps until a lost GPU leaves the tree
     resume_error: int | None = None
 
 
@@ -237,7 +238,6 @@ class AmdGpu:
             if not tok:
                 break                # amdgpu_read_mask stops at the first empty token
             try:
-                from .od import kstrtol
                 level = kstrtol(tok)
             except ValueError:
                 raise oserror(errno.EINVAL) from None
@@ -247,7 +247,7 @@ class AmdGpu:
         if self.perf_level != "manual":
             # smu_force_smuclk_levels: "force clock level is for dpm manual mode only."
             raise oserror(errno.EINVAL)
-        count = {"pp_dpm_sclk": 2 if self.model.sclk_fine else 2,
+        count = {"pp_dpm_sclk": 2,   # fine-grained SCLK only knows levels 0 and 1
                  "pp_dpm_mclk": len(self.model.mclk_levels),
                  "pp_dpm_socclk": 2 if self.model.socclk_fine else len(self.model.socclk_levels),
                  "pp_dpm_fclk": 2 if self.model.fclk_fine else len(self.model.fclk_levels),

@@ -9,7 +9,7 @@ where neither gives one, the value is a realistic choice and says so.
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -86,16 +86,13 @@ class CardModel:
     socclk_fine: bool
     fclk_levels: tuple
     fclk_fine: bool
-    pcie_levels: tuple           # ((gen "16.0GT/s", width "x16", MHz), ...), capped by the slot
-    pcie_mark_all_equal: bool    # SMU13 marks every level whose gen/width equal the current one
+    pcie_levels: tuple           # ((gen "16.0GT/s", width "x16", MHz), ...); every level whose
+                                 # gen/width equal the current link is marked (both SMU13 and SMU14)
     temp_limits: tuple           # ((crit, emergency) mC) for edge, junction, mem
     fan_max_rpm: int
     load: LoadParams
     has_power_input: bool = False
     has_power_average: bool = True
-    unique_id: str = ""
-    hwmon_vddnb: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 # Radeon AI PRO R9700 (Navi48, gfx1201). INCIDENTS §2/§5; formats as the RX 9070 XT
@@ -116,7 +113,6 @@ R9700 = CardModel(
     socclk_levels=(417, 1280, 1476), socclk_fine=True,
     fclk_levels=(400, 1400, 2000), fclk_fine=True,
     pcie_levels=(("2.5GT/s", "x16", 250), ("16.0GT/s", "x16", 1143)),
-    pcie_mark_all_equal=False,
     temp_limits=((110000, 115000), (110000, 115000), (108000, 113000)),
     fan_max_rpm=3650,
     # Calibrated so that full load at stock averages 182 W and -500 MHz/-100 mV gives
@@ -143,7 +139,6 @@ XTX = CardModel(
     socclk_levels=(500, 1500), socclk_fine=False,
     fclk_levels=(800, 1900, 2500), fclk_fine=False,
     pcie_levels=(("16.0GT/s", "x16", 78), ("16.0GT/s", "x16", 156), ("16.0GT/s", "x16", 623)),
-    pcie_mark_all_equal=True,
     temp_limits=((100000, 105000), (110000, 115000), (108000, 113000)),
     fan_max_rpm=3200,
     # INCIDENTS §3: stock 2371 MHz under load; SCLK max 1500 → ~1233 MHz; 2000/-100 mV
@@ -167,7 +162,6 @@ RX6800 = CardModel(
     socclk_levels=(500, 1200), socclk_fine=False,
     fclk_levels=(500, 1940), fclk_fine=False,
     pcie_levels=(("2.5GT/s", "x1", 310), ("16.0GT/s", "x16", 619)),
-    pcie_mark_all_equal=False,
     temp_limits=((100000, 105000), (110000, 115000), (100000, 105000)),
     fan_max_rpm=3300,
     load=LoadParams(idle_w=8.0, mem_w=30.0, k_dyn=0.06, v_ref=1.025, f_ref=2200.0,

@@ -50,7 +50,7 @@ class FaultInjection:
         changed = False
         for g in self._gpus.values():
             if g.faults.lost_stage == 1:
-                g.faults.removal_in = getattr(g.faults, "removal_in", 1) - 1
+                g.faults.removal_in -= 1
                 if g.faults.removal_in <= 0:
                     g.faults.lost_stage = 2
                     g.release_blocked()

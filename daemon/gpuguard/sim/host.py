@@ -15,7 +15,6 @@ readers only the first 64 bytes); links do not retrain (no PCIe ASPM/DPM speed c
 from __future__ import annotations
 
 import errno
-import os
 import posixpath
 import threading
 from dataclasses import dataclass, field
@@ -245,6 +244,7 @@ class SimHost(FaultInjection):
             link(f"{hp}/device", f.path)
             link(f"/sys/class/hwmon/hwmon{g.hwmon_index}", hp)
         self.nodes = n
+        self._lookup_cache: dict = {}    # only successful lookups; cleared with the tree
 
     def _hidden_functions(self) -> set[str]:
         hidden = set()
@@ -267,6 +267,15 @@ class SimHost(FaultInjection):
 
     # -- lookup -----------------------------------------------------------------------
     def _lookup(self, path: str, follow: bool = True) -> tuple[str, Node]:
+        key = (path, follow)
+        hit = self._lookup_cache.get(key)
+        if hit is not None:
+            return hit
+        found = self._walk_path(path, follow)
+        self._lookup_cache[key] = found
+        return found
+
+    def _walk_path(self, path: str, follow: bool) -> tuple[str, Node]:
         if not path.startswith("/"):
             path = "/" + path
         parts = [p for p in path.split("/") if p and p != "."]
@@ -351,9 +360,9 @@ class SimHost(FaultInjection):
             if real not in self.nodes:
                 raise oserror(errno.ENODEV, path)   # removed while we waited (kernfs)
             if g is not None:
+                g.check_read(node.filedef.gated)
                 if node.name in g.faults.garbage:
                     return g.faults.garbage[node.name]
-                g.check_read(node.filedef.gated)
             return node.filedef.render()
 
     def write(self, path: str, data: bytes, uid: int = 0) -> int:
@@ -412,5 +421,3 @@ class SimHost(FaultInjection):
     def _log_appear(self, g: AmdGpu) -> None:
         self.kernel_log.add(KERN_INFO, f"[drm] Initialized amdgpu 3.61.0 for {g.bdf} on minor {g.card_index}", g.bdf)
 
-
-__all__ = ["SimHost", "Stat", "Node", "os"]

@@ -22,6 +22,7 @@ quotes them; the few it does not quote follow the same files' wording.
 from __future__ import annotations
 
 import errno
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,16 +38,10 @@ class OdRefused(Exception):
     `log` is the kernel log line the driver printed first (None: it printed nothing)."""
 
     def __init__(self, log: str | None = None, err: int = errno.EINVAL, extra: tuple[str, ...] = ()):
-        super().__init__(log or os_strerror(err))
+        super().__init__(log or os.strerror(err))
         self.errno = err
         self.log = log
         self.extra = extra
-
-
-def os_strerror(err: int) -> str:
-    import os
-
-    return os.strerror(err)
 
 
 def kstrtol(tok: str) -> int:
