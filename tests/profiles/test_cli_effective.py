@@ -53,3 +53,33 @@ def test_effective_check_incident_3():
     assert [x.kind for x in f] == ["above_limit"]
     _, f = effective_findings((snap("xtx-a", 400, busy=0.1),), {"xtx-a": prof})
     assert f == []  # idle: no finding
+
+
+def test_ledger_metrics():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.registry import Collector
+
+    from gpuguard.profiles.apply import CardResult
+    from gpuguard.profiles.effective import ClockFinding
+    from gpuguard.profiles.ledger import ProfileLedger
+
+    led = ProfileLedger()
+    led.record(CardResult("xtx-a", "0000:aa:00.0", "cap1500", "mismatch", False, "x"))
+    led.record(CardResult("xtx-a", "0000:aa:00.0", "cap1500", "ok", True, "y"))
+    led.record(CardResult("xtx-b", "0000:b0:00.0", "cap1500", "refused", False, "z"))
+    led.set_effective({"xtx-a": ("cap1500", 1233.0)},
+                      [ClockFinding("xtx-a", "cap1500", "below_limit", 1233.0, 1500, "m")])
+
+    class C(Collector):
+        def collect(self):
+            return led.metrics()
+
+    reg = CollectorRegistry()
+    reg.register(C())
+    v = reg.get_sample_value
+    assert v("gpuguard_profile_verified", {"gpu": "xtx-a", "profile": "cap1500"}) == 1.0
+    assert v("gpuguard_profile_verified", {"gpu": "xtx-b", "profile": "cap1500"}) == 0.0
+    assert v("gpuguard_profile_apply_total", {"gpu": "xtx-a", "profile": "cap1500", "result": "mismatch"}) == 1
+    assert v("gpuguard_profile_apply_total", {"gpu": "xtx-b", "profile": "cap1500", "result": "refused"}) == 1
+    assert v("gpuguard_profile_effective_clock_hertz", {"gpu": "xtx-a", "profile": "cap1500"}) == 1233e6
+    assert v("gpuguard_profile_effective_finding", {"gpu": "xtx-a", "profile": "cap1500", "kind": "below_limit"}) == 1

@@ -43,7 +43,7 @@ gpus:
 
 class Daemon:
     def __init__(self, tmp_path, cfg):
-        self.sock_path = str(tmp_path / "notify.sock")
+        self.sock_path = str(tmp_path / f"notify-{len(list(tmp_path.glob('notify-*.sock')))}.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.sock_path)
         self.messages: list[str] = []
@@ -62,7 +62,7 @@ class Daemon:
             self.messages.append(msg)
             if on_message:
                 on_message(msg)
-            if word in msg.split("\n"):
+            if word in msg.split("\n") or (word.startswith("STATUS=") and word in msg):
                 return msg
             assert self.proc.poll() is None, self.output()
         raise AssertionError(f"no {word} within {timeout} s; got {self.messages}; output:\n{self.output()}")
@@ -191,3 +191,53 @@ def test_gpu_reset_drift_is_reapplied_within_two_cycles(tmp_path, mount_sim):
         assert m.host.gpu("0000:aa:00.0").od.active["sclk_max"] == 2000
     finally:
         d.stop()
+
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def test_safe_mode_after_two_host_crashes_following_apply(tmp_path, mount_sim):
+    m = mount_sim(overlay={"/proc/cmdline": b"root=/dev/sda1 quiet\n", BOOT_ID: b"boot-1\n"})
+    cfg = write_config(tmp_path, m.mountpoint)
+    for boot in ("boot-2", "boot-3"):
+        d = Daemon(tmp_path, cfg)
+        d.wait_for("READY=1")
+        d.proc.kill()  # the host "went down" right after the apply: no clean stop
+        d.stop()
+        m.fs.overlay[BOOT_ID] = f"{boot}\n".encode()
+    n = len(m.fs.writes)
+    d = Daemon(tmp_path, cfg)
+    try:
+        d.wait_for("READY=1")
+        d.wait_for("STATUS=4/4 GPUs up; profiles: SAFE MODE", timeout=10)
+        assert len(m.fs.writes) == n  # nothing applied
+    finally:
+        out = d.stop()
+    assert "host went down within 300 s of applying profiles on 2 starts in a row" in out
+
+
+def test_kernel_command_line_forces_safe_mode(tmp_path, mount_sim):
+    m = mount_sim(overlay={"/proc/cmdline": b"root=/dev/sda1 gpuguard.safe quiet\n", BOOT_ID: b"boot-1\n"})
+    d = Daemon(tmp_path, write_config(tmp_path, m.mountpoint))
+    try:
+        d.wait_for("READY=1")
+        d.wait_for("STATUS=4/4 GPUs up; profiles: SAFE MODE", timeout=10)
+        assert m.fs.writes == []
+    finally:
+        out = d.stop()
+    assert "kernel command line has 'gpuguard.safe'" in out
+
+
+def test_unverified_gpu_is_named_in_status_and_alerted(tmp_path, mount_sim):
+    m = mount_sim()
+    cfg = write_config(tmp_path, m.mountpoint)
+    cfg.write_text(cfg.read_text().replace("sclk_max_mhz: 2000", "sclk_max_mhz: 6000"))  # above OD_RANGE 5000
+    d = Daemon(tmp_path, cfg)
+    try:
+        d.wait_for("READY=1")  # the engines may start: the R9700s are verified; the XTXs are named
+        d.wait_for("STATUS=4/4 GPUs up; profile unverified: xtx-a (refused), xtx-b (refused)", timeout=10)
+        assert verified_gpus(tmp_path / "state") == {"r9700-a", "r9700-b"}
+        assert not any(b in m.writes_by_gpu() for b in ("0000:aa:00.0", "0000:b0:00.0"))
+    finally:
+        out = d.stop()
+    assert "profile_unverified" in out and "sclk_max_mhz=6000 MHz refused: outside the card's OD_RANGE 500…5000 MHz" in out
