@@ -241,3 +241,19 @@ def test_unverified_gpu_is_named_in_status_and_alerted(tmp_path, mount_sim):
     finally:
         out = d.stop()
     assert "profile_unverified" in out and "sclk_max_mhz=6000 MHz refused: outside the card's OD_RANGE 500…5000 MHz" in out
+
+
+def test_drift_check_off_leaves_a_reset_card_alone(tmp_path, mount_sim):
+    m = mount_sim()
+    cfg = write_config(tmp_path, m.mountpoint)
+    cfg.write_text(cfg.read_text().replace("backoff_seconds: 0.05}", "backoff_seconds: 0.05, drift_check: false}"))
+    d = Daemon(tmp_path, cfg)
+    try:
+        d.wait_for("READY=1")
+        n = len(m.fs.writes)
+        m.host.reset_gpu("0000:aa:00.0")
+        reads = m.fs.reads.get("0000:aa:00.0/pp_od_clk_voltage", 0)
+        wait_until(lambda: m.fs.reads.get("0000:aa:00.0/pp_od_clk_voltage", 0) >= reads + 3, 10, "three more polls")
+        assert len(m.fs.writes) == n
+    finally:
+        d.stop()
