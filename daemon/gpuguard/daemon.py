@@ -90,6 +90,10 @@ class Daemon:
         self.kernel_actions = KernelActions(self)
         self.kernel_router: KernelEventRouter | None = None
         self.app = build_app(self.hub, self.metrics)
+        # Profiles: applied and verified before READY, re-applied on drift and late cards.
+        from gpuguard.profiles import attach
+
+        attach(self)
         self.notify = Notifier()
         self.stop_event = asyncio.Event()
         self.server: _Server | None = None

@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.kernel.config import KernelConfig
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from gpuguard.profiles.schema import ApplyConfig, Profile, assignment_problems
 
 BDF_RE = re.compile(r"^(?:[0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 PCI_ID_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{4}$")
@@ -94,6 +96,15 @@ class Config(Strict):
     logging: LoggingConfig = LoggingConfig()
     recorder: RecorderConfig = RecorderConfig()
     kernel: KernelConfig = KernelConfig()
+    profiles: dict[str, Profile] = {}
+    apply: ApplyConfig = ApplyConfig()
+
+    @model_validator(mode="after")
+    def _profiles_exist(self) -> "Config":
+        problems = assignment_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> "Config":
