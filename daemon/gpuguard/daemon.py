@@ -90,10 +90,6 @@ class Daemon:
         self.kernel_actions = KernelActions(self)
         self.kernel_router: KernelEventRouter | None = None
         self.app = build_app(self.hub, self.metrics)
-        # Profiles: applied and verified before READY, re-applied on drift and late cards.
-        from gpuguard.profiles import attach
-
-        attach(self)
         self.notify = Notifier()
         self.stop_event = asyncio.Event()
         self.server: _Server | None = None
@@ -111,6 +107,10 @@ class Daemon:
             self.poller.on_cycle.append(lambda snap: rec.record(snap))
             self.hub.on_event(lambda e: rec.record(events=[e]))
         self.hub.on_event(self._log_event)
+        # Profiles: applied and verified before READY, re-applied on drift and late cards.
+        from gpuguard.profiles import attach
+
+        attach(self)
 
     def _kernel_event(self, e) -> None:
         self.hub.counters.kernel_events[(e.gpu, e.kind)] += 1
