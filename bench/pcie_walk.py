@@ -6,9 +6,13 @@ Prints the walk's median and worst time and how many GPUs/hops it read."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "daemon"))
 
 from gpuguard.hw.pcie import walk
 from gpuguard.hw.pcie_capture import replay
