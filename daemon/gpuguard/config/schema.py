@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpuguard.config.service import ApiConfig, WebhookConfig  # service layer sections (issue 6)
+
 BDF_RE = re.compile(r"^(?:[0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 PCI_ID_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{4}$")
 
@@ -89,6 +91,8 @@ class Config(Strict):
     gpus: list[GpuEntry] = []
     logging: LoggingConfig = LoggingConfig()
     recorder: RecorderConfig = RecorderConfig()
+    api: ApiConfig = ApiConfig()  # issue 6: control API auth, body limit, UNIX socket
+    webhooks: list[WebhookConfig] = []  # issue 6: alert-grade events POSTed here
 
     @model_validator(mode="after")
     def _unique_names(self) -> "Config":
