@@ -270,7 +270,8 @@ def build_app(
 ) -> FastAPI:
     """The app. Reload swaps `app.state.tokens`, `.policy`, `.max_body_bytes`; other parts
     register providers on `app.state.actions`."""
-    app = FastAPI(title="gpuguard", version=__version__, docs_url=None, redoc_url=None)
+    # redirect_slashes off: a 307 to a rewritten path is not an answer a name check should give
+    app = FastAPI(title="gpuguard", version=__version__, docs_url=None, redoc_url=None, redirect_slashes=False)
     app.state.hub = hub
     app.state.metrics = metrics
     app.state.tokens = tokens or TokenStore()
