@@ -14,6 +14,7 @@ from typing import Any, Callable
 import pytest
 import uvicorn
 
+from gpuguard.config import Config
 from gpuguard.sinks.actions import ActionRefused, Actions, UnknownTarget
 from gpuguard.sinks.api import build_app
 from gpuguard.sinks.audit import AuditLog
@@ -161,7 +162,7 @@ def api(tmp_path, _module_server):
     actions.provide_from(host)
     audit = AuditLog(tmp_path / "audit.jsonl")
     app = build_app(hub, MetricsSink(hub), tokens=TokenStore(TOKENS), policy=AccessPolicy("127.0.0.1"), audit=audit,
-                    actions=actions, max_body_bytes=4096)
+                    actions=actions, max_body_bytes=4096, config_view=lambda: Config().model_dump(mode="json"))
     srv = _module_server
     srv.front.app = app
     srv.app, srv.hub, srv.host, srv.audit = app, hub, host, audit

@@ -222,7 +222,7 @@ def require_token(request: Request) -> Caller:
         return _caller(request)
     except HTTPException:
         client = request.client.host if request.client else "?"
-        log.warning("api refused method=%s path=%s client=%s reason=unauthenticated", request.method, request.url.path, client)
+        log.warning("api refused method=%s path=%r client=%s reason=unauthenticated", request.method, request.url.path, client)
         raise
 
 
