@@ -147,6 +147,7 @@ class Daemon:
             self.app.state.policy = AccessPolicy(self.app.state.policy.listen_address, new.api.open_reads)
             self.app.state.max_body_bytes = new.api.max_body_bytes
             self.webhooks.configure(new.webhooks)
+            logging.getLogger().setLevel(new.logging.level.upper())
             self.poller.set_gpu_entries(new.gpus)
             self.poller.interval = new.poll.interval_seconds
             self.poller.timeout = new.poll.timeout_seconds
