@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support import poll_until
 
 REPO = Path(__file__).resolve().parent.parent
 # The reference corpus comes from other projects: read it in place, never copy it in.
@@ -21,3 +22,8 @@ def reference() -> Path:
 def needs_root(reason: str):
     """Skip marker for tests that need root (kmsg writes, uevents, FUSE in CI)."""
     return pytest.mark.skipif(os.geteuid() != 0, reason=f"needs root: {reason}")
+
+
+@pytest.fixture
+def wait_for():
+    return poll_until

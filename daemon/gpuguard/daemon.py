@@ -19,8 +19,11 @@ from typing import Any, Callable
 import uvicorn
 
 from gpuguard.config import Config, ConfigError, load_config
+from gpuguard.hw.pcie import PcieCollector
+from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sources import default_sources
 from gpuguard.hw.sysfs import SysfsRoot
+from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
 from gpuguard.sinks.metrics import MetricsSink
@@ -68,10 +71,15 @@ class Daemon:
             timeout=config.poll.timeout_seconds,
             discover_every=config.poll.discover_seconds,
         )
+        self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds)
+        self.metrics.add_producer(
+            PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=lambda: dict(self.poller.names)).collect
+        )
         # -- service layer (issue 6). Tokens are loaded in run(): a bad token file must end
         # the start with a one-line error, not a traceback from the constructor.
         self.audit = AuditLog.in_state_dir(config.state_dir)
         self.actions = Actions()  # other parts register providers here (sinks/actions.py)
+        self.actions.provide(pcie=self.pcie_document)
         self.webhooks = WebhookNotifier(self.hub, config.webhooks)
         self.metrics.add_producer(self.webhooks.collect)
         self.app = build_app(
@@ -103,6 +111,11 @@ class Daemon:
             self.hub.on_event(lambda e: rec.record(events=[e]))
         self.hub.on_event(self._log_event)
 
+    def expected_links(self) -> dict[str, ExpectedLink]:
+        """bdf -> expected slot link, from `gpus[].expect_link` and today's GPU names."""
+        by_name = {g.name: g.expect_link for g in self.config.gpus if g.expect_link is not None}
+        return {bdf: by_name[name] for bdf, name in self.poller.names.items() if name in by_name}
+
     @staticmethod
     def _log_event(e) -> None:
         level = logging.WARNING if e.severity in ("alert", "critical") else logging.INFO
@@ -112,6 +125,14 @@ class Daemon:
     # -- lifecycle ----------------------------------------------------------------------
     def request_stop(self) -> None:
         self.stop_event.set()
+
+    def pcie_document(self) -> dict[str, Any] | None:
+        """GET /v1/pcie: the last walk (`gpuguard pcie --json` schema) plus its doctor
+        findings; None (503) until the first walk finished."""
+        report = self.hub.view("pcie")
+        if report is None:
+            return None
+        return {**report.to_dict(), "findings": [f.to_dict() for f in self.hub.view("pcie_findings", ())]}
 
     def config_view(self) -> dict[str, Any]:
         """The effective config for GET /v1/config (webhook URLs redacted: they carry secrets)."""
@@ -152,6 +173,7 @@ class Daemon:
             self.poller.interval = new.poll.interval_seconds
             self.poller.timeout = new.poll.timeout_seconds
             self.poller.discover_every = new.poll.discover_seconds
+            self.pcie.interval = new.poll.pcie_interval_seconds
             log.info(
                 "reload: config %s applied poll_interval=%gs tokens=%d webhooks=%d",
                 self.config_path,
@@ -243,6 +265,7 @@ class Daemon:
             )
             self.notify.ready(summary_line(self.hub))
             self.tasks.append(asyncio.create_task(self.poller.run(self.stop_event), name="poller"))
+            self.tasks.append(asyncio.create_task(self.pcie.run(self.stop_event), name="pcie"))
             await self.stop_event.wait()
             return 0
         finally:

@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import replace
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from gpuguard.state.events import Event
@@ -188,8 +187,9 @@ class GpuPoller:
                         bdf=s.bdf,
                     )
                 )
-            # a device whose files vanished mid-read: look again at the next cycle
-            if not s.up and "device" in s.errors:
+            # a device whose files vanished mid-read, or whose hwmon index changed: look
+            # again at the next cycle
+            if (not s.up and "device" in s.errors) or s.extra.get("rediscover"):
                 self._discover_requested.set()
         duration = time.perf_counter() - t0
         snap = HostSnapshot(time=time.time(), gpus=tuple(snaps), duration_seconds=duration)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from gpuguard.hw.pcie_expect import ExpectedLink
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuguard.config.service import ApiConfig, WebhookConfig  # service layer sections (issue 6)
@@ -70,6 +71,8 @@ class GpuEntry(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     match: GpuMatch
     profile: str | None = None
+    # INCIDENTS §4: what the slot link must train to; a mismatch is an alert.
+    expect_link: ExpectedLink | None = None
 
 
 class LoggingConfig(Strict):

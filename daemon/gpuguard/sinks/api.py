@@ -21,7 +21,8 @@ JSON shapes (stable; the CLI's status/events/engines read them):
   GET /v1/events?since=T&limit=N   [event]   event = Event.to_dict(), oldest first
   GET /v1/engines         [{"name": str, ...provider fields}]
   GET /v1/profiles        [{"name": str, ...provider fields}]
-  GET /v1/pcie            {...}          the PCIe report object
+  GET /v1/pcie            PcieReport.to_dict() (`gpuguard pcie --json`) + {"findings": [doctor finding]}
+  (a read provider with nothing yet answers 503)
   GET /v1/config          the effective config (webhook URLs redacted)
   POST bodies             {"reason": str?}; apply: {"profile": str, "confirm_within": s?, "reason": str?}
   POST answers            {"ok": true, "action", "target", "who", "result", "pending_confirm": pending|null}
@@ -386,20 +387,24 @@ def build_app(
     ) -> list[dict[str, Any]]:
         return [e.to_dict() for e in hub.recent_events(since)][-limit:]
 
+    def provided(name: str) -> Any:
+        (fn,) = _need(actions_(), name)
+        doc = fn()
+        if doc is None:  # the provider runs but has nothing yet (first walk, first scan)
+            raise HTTPException(503, detail=f"{name}: not available yet; try again in a few seconds")
+        return doc
+
     @app.get("/v1/engines", dependencies=read)
     def get_engines() -> list[dict[str, Any]]:
-        (fn,) = _need(actions_(), "engines")
-        return jsonable(list(fn()))
+        return jsonable(list(provided("engines")))
 
     @app.get("/v1/profiles", dependencies=read)
     def get_profiles() -> list[dict[str, Any]]:
-        (fn,) = _need(actions_(), "profiles")
-        return jsonable(list(fn()))
+        return jsonable(list(provided("profiles")))
 
     @app.get("/v1/pcie", dependencies=read)
     def get_pcie() -> dict[str, Any]:
-        (fn,) = _need(actions_(), "pcie")
-        return jsonable(fn())
+        return jsonable(provided("pcie"))
 
     @app.get("/v1/config", dependencies=read)
     def get_config() -> dict[str, Any]:

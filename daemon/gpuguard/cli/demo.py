@@ -1,0 +1,173 @@
+"""`gpuguard demo`: the daemon on the simulated incident host (INCIDENTS §4) with a
+changing load, no root and no GPU needed. Prints the URLs and commands to try; Ctrl-C
+stops it cleanly.
+
+`gpuguard demo --write-tree DIR` only writes the simulated host to DIR (a plain tree to
+browse and point `--sysfs-root` at) and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from importlib import resources
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run the daemon on the simulated incident host")
+    p.add_argument("--scenario", default="incident", help="simulated host (incident, incident-x8, incident-late, ...)")
+    p.add_argument("--config", "-c", default=None, help="config file (default: the built-in demo config)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default 9436, or a free one if taken)")
+    p.add_argument("--dir", default=None, help="where to put the simulated tree (default: a temporary folder)")
+    p.add_argument("--fuse", action="store_true", help="mount the host with FUSE (needs root or fusermount3): exact kernel errno")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--write-tree", metavar="DIR", default=None, help="only write the simulated host to DIR and exit")
+    p.set_defaults(func=cmd_demo)
+
+
+def demo_config_text() -> str:
+    return resources.files("gpuguard.sim").joinpath("demo.yaml").read_text()
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class DemoLoad:
+    """A load pattern a person can watch on a dashboard: the R9700 pair ramps together
+    (the INCIDENTS §2 power-trip shape), the XTX pair alternates."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+        self.t0 = time.monotonic()
+
+    def __call__(self) -> None:
+        t = time.monotonic() - self.t0
+        for i, bdf in enumerate(self.host.gpus):
+            phase = 0.0 if i < 2 else math.pi * (i % 2)
+            level = 0.5 + 0.5 * math.sin(2 * math.pi * t / 60.0 + phase)
+            self.host.set_load(bdf, round(max(0.0, min(1.0, level)), 3))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gpuguard.config import ConfigError, load_config, parse_config
+    from gpuguard.sim.runner import SimRunner, build_scenario
+
+    try:
+        host = build_scenario(args.scenario)
+    except KeyError as e:
+        print(f"gpuguard demo: {e.args[0]}", file=sys.stderr)
+        return 2
+
+    if args.write_tree:
+        from gpuguard.sim.tree import write_tree
+
+        os.makedirs(args.write_tree, exist_ok=True)
+        write_tree(host, args.write_tree)
+        print(f"simulated host ({args.scenario}) written to {args.write_tree}")
+        print(f"  gpuguard status --sysfs-root {args.write_tree}")
+        print(f"  gpuguard pcie   --sysfs-root {args.write_tree}")
+        return 0
+
+    try:
+        config = load_config(args.config) if args.config else parse_config(demo_config_text(), "demo.yaml")
+    except ConfigError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
+
+    workdir = args.dir or tempfile.mkdtemp(prefix="gpuguard-demo-")
+    root = os.path.join(workdir, "root")
+    state = os.path.join(workdir, "state")
+    os.makedirs(root, exist_ok=True)
+    os.makedirs(state, exist_ok=True)
+
+    load = DemoLoad(host)
+    load()
+    mount = None
+    if args.fuse:
+        from gpuguard.sim.fuse import fuse_available, mount as fuse_mount
+
+        reason = fuse_available()
+        if reason:
+            print(f"gpuguard demo: FUSE not available ({reason}); using a plain tree", file=sys.stderr)
+        else:
+            mount = fuse_mount(host, root)
+            mount.__enter__()
+    if mount is None:
+        from gpuguard.sim.tree import write_tree
+
+        writer = write_tree(host, root)
+        runner = SimRunner(host, interval=0.25, on_step=lambda: (load(), writer.refresh()))
+    else:
+        runner = SimRunner(host, interval=0.25, on_step=load)
+
+    listen = config.listen
+    port = args.port if args.port is not None else listen.port
+    if args.port is None and not _free(listen.address, port):
+        port = 0  # the default port is taken (a real gpuguard?): take any free one
+    config = config.model_copy(
+        update={
+            "sysfs_root": root,
+            "state_dir": state,
+            "listen": listen.model_copy(update={"port": port}),
+            "recorder": config.recorder.model_copy(update={"path": os.path.join(state, "flight.sqlite")}),
+        }
+    )
+
+    from gpuguard.daemon import Daemon
+    from gpuguard.logsetup import setup_logging
+
+    setup_logging(config.logging.level)
+    daemon = Daemon(config, config_path=args.config, sysfs_root=root)
+
+    def announce() -> None:
+        base = f"http://{config.listen.address}:{daemon.bound_port}"
+        print(
+            "\n".join(
+                [
+                    "",
+                    f"gpuguard demo: simulated host '{args.scenario}' at {root}",
+                    f"  metrics:   {base}/metrics",
+                    f"  status:    {base}/v1/status",
+                    f"  events:    {base}/v1/events",
+                    "  try:",
+                    f"    gpuguard status --api {base}",
+                    f"    gpuguard status --sysfs-root {root}",
+                    f"    gpuguard pcie --sysfs-root {root}",
+                    f"    gpuguard doctor --sysfs-root {root}",
+                    "  Ctrl-C stops it.",
+                    "",
+                ]
+            ),
+            flush=True,
+        )
+
+    daemon.on_ready.append(announce)
+
+    async def main() -> int:
+        if args.seconds is not None:
+            asyncio.get_running_loop().call_later(args.seconds, daemon.request_stop)
+        return await daemon.run()
+
+    runner.start()
+    try:
+        return asyncio.run(main())
+    finally:
+        runner.stop()
+        if mount is not None:
+            mount.__exit__(None, None, None)
+        if args.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print("gpuguard demo: stopped", flush=True)

@@ -1,0 +1,170 @@
+"""Fault injection on the simulated host (mixed into SimHost).
+
+Owns the faults a daemon must survive, each with the kernel's observable behaviour:
+- `lose_gpu(bdf)`: the GPU falls off the bus. First its SMU-backed reads fail (EIO, or the
+  errno given), config space reads all ones, link status decodes as "Unknown"; on the next
+  `step()` the board (GPU + its 1478/1479 bridges) is removed: directories and the
+  drm/hwmon/bus symlinks vanish (new opens ENOENT, fds opened before ENODEV).
+  Kernel log: "device lost from bus!", then "GPU Recovery Failed: -19" (INCIDENTS §1).
+- `add_late_gpu(bdf, after_s)` / `appear(bdf)`: a GPU absent at start shows up later with
+  all its links and the next free cardN/hwmonN (INCIDENTS §2, the glob that matched one card).
+- `renumber_hwmon()`: every GPU's hwmonN changes (as between boots).
+- `garbage(bdf, file, text)`: that file (by name, device or hwmon dir) reads `text`.
+- `block(bdf, file)`: reads of that file hang until `unblock()`/`release_all()`.
+- `suspend(bdf)` / `resume(bdf)`: runtime suspend (see amdgpu.py access gate).
+- `reset_gpu(bdf, steps=0)`: stock OD values and default power cap, silently; PM files
+  answer EPERM/EBUSY for `steps` steps while the reset is in progress.
+- `ignore_first_write(bdf, kind)`: the next OD commit ("commit"), staging write ("stage")
+  or power1_cap write ("power_cap") is accepted and silently not applied.
+- `aer_error(bdf, name, count, severity)`: bump an AER counter.
+"""
+from __future__ import annotations
+
+import errno
+import threading
+
+from .kmsg import KERN_ERR, KERN_WARNING
+
+
+class FaultInjection:
+    """Mixin: needs self.lock, self._gpus, self.kernel_log, self._rebuild, self.gpu."""
+
+    def lose_gpu(self, bdf: str, err: int = errno.EIO, steps_before_removal: int = 1) -> None:
+        with self.lock:
+            g = self.gpu(bdf)
+            g.faults.lost_stage = 1
+            g.faults.lost_errno = err
+            g.faults.removal_in = steps_before_removal
+            self.kernel_log.add(KERN_ERR, f"amdgpu {g.bdf}: amdgpu: device lost from bus!", g.bdf)
+            if steps_before_removal <= 0:
+                self._remove(g)
+
+    def _remove(self, g) -> None:
+        g.faults.lost_stage = 2
+        g.release_blocked()
+        self.kernel_log.add(KERN_ERR, f"amdgpu {g.bdf}: amdgpu: GPU Recovery Failed: -19", g.bdf)
+        self._rebuild()
+
+    def _step_faults(self) -> bool:
+        """Called by step() under the lock; True when the tree must be rebuilt."""
+        changed = False
+        for g in self._gpus.values():
+            if g.faults.lost_stage == 1:
+                g.faults.removal_in -= 1
+                if g.faults.removal_in <= 0:
+                    g.faults.lost_stage = 2
+                    g.release_blocked()
+                    self.kernel_log.add(KERN_ERR, f"amdgpu {g.bdf}: amdgpu: GPU Recovery Failed: -19", g.bdf)
+                    changed = True
+        due = [b for t, b in self.scheduled if t <= self.time]
+        self.scheduled = [(t, b) for t, b in self.scheduled if t > self.time]
+        for b in due:
+            self._appear(self._gpus[b])
+            changed = True
+        return changed
+
+    def add_late_gpu(self, bdf: str, after_s: float | None = None) -> None:
+        """Take the GPU off the tree now; it appears after `after_s` simulated seconds
+        (or when `appear()` is called)."""
+        with self.lock:
+            g = self.gpu(bdf)
+            if g.present:
+                g.present = False
+                self._rebuild()
+            if after_s is not None:
+                self.scheduled.append((self.time + after_s, g.bdf))
+
+    def appear(self, bdf: str) -> None:
+        with self.lock:
+            g = self.gpu(bdf)
+            if not g.present:
+                self._appear(g)
+                self._rebuild()
+
+    def _appear(self, g) -> None:
+        if g.present:
+            return
+        g.card_index = self._next_free("card_index", self.spec.first_card)
+        g.hwmon_index = self._next_free("hwmon_index", self.spec.cpu_hwmons)
+        g.present = True
+        self._log_appear(g)
+
+    def renumber_hwmon(self) -> dict[str, int]:
+        """New hwmonN for every present GPU (higher numbers, reversed order)."""
+        with self.lock:
+            present = [g for g in self._gpus.values() if g.present and g.faults.lost_stage < 2]
+            base = max([g.hwmon_index or 0 for g in self._gpus.values()] + [self.spec.cpu_hwmons]) + 1
+            for i, g in enumerate(reversed(present)):
+                g.hwmon_index = base + i
+            self._rebuild()
+            return {g.bdf: g.hwmon_index for g in present}
+
+    def garbage(self, bdf: str, file: str, text: str | bytes) -> None:
+        with self.lock:
+            data = text.encode() if isinstance(text, str) else text
+            self.gpu(bdf).faults.garbage[file.rsplit("/", 1)[-1]] = data
+
+    def clear_garbage(self, bdf: str, file: str | None = None) -> None:
+        with self.lock:
+            f = self.gpu(bdf).faults.garbage
+            f.clear() if file is None else f.pop(file.rsplit("/", 1)[-1], None)
+
+    def block(self, bdf: str, file: str) -> threading.Event:
+        """Reads of `file` hang until the returned event is set (or unblock())."""
+        with self.lock:
+            ev = threading.Event()
+            self.gpu(bdf).faults.blocked[file.rsplit("/", 1)[-1]] = ev
+            return ev
+
+    def unblock(self, bdf: str, file: str | None = None) -> None:
+        with self.lock:
+            blocked = self.gpu(bdf).faults.blocked
+            names = list(blocked) if file is None else [file.rsplit("/", 1)[-1]]
+            for n in names:
+                ev = blocked.pop(n, None)
+                if ev:
+                    ev.set()
+
+    def release_all(self) -> None:
+        """Release every blocked read (used on unmount/shutdown)."""
+        with self.lock:
+            for g in self._gpus.values():
+                for ev in g.faults.blocked.values():
+                    ev.set()
+                g.faults.blocked.clear()
+
+    def suspend(self, bdf: str, resume_error: int | None = None) -> bool:
+        """Runtime-suspend the GPU (only possible while power/control is `auto`)."""
+        with self.lock:
+            g = self.gpu(bdf)
+            g.faults.resume_error = resume_error
+            if g.runtime_control != "auto":
+                return False
+            g.suspended = True
+            return True
+
+    def resume(self, bdf: str) -> None:
+        with self.lock:
+            g = self.gpu(bdf)
+            g.suspended = False
+            g.faults.resume_error = None
+
+    def reset_gpu(self, bdf: str, steps: int = 0) -> None:
+        with self.lock:
+            self.gpu(bdf).reset(steps)
+
+    def ignore_first_write(self, bdf: str, kind: str = "commit") -> None:
+        if kind not in ("commit", "stage", "power_cap"):
+            raise ValueError(f"ignore_first_write kind must be commit, stage or power_cap, not {kind!r}")
+        with self.lock:
+            self.gpu(bdf).faults.ignore_next.add(kind)
+
+    def aer_error(self, bdf: str, name: str = "RxErr", count: int = 1, severity: str = "correctable") -> None:
+        with self.lock:
+            c = self.aer[self._norm(bdf)]
+            table = {"correctable": c.cor, "nonfatal": c.nonfatal, "fatal": c.fatal}[severity]
+            if name not in table:
+                raise KeyError(f"unknown AER {severity} error {name!r}; known: {', '.join(table)}")
+            table[name] += count
+            kind = "Corrected" if severity == "correctable" else "Uncorrected"
+            self.kernel_log.add(KERN_WARNING, f"pcieport {self._norm(bdf)}: AER: {kind} error message received from {self._norm(bdf)}", self._norm(bdf))

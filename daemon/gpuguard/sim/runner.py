@@ -1,0 +1,73 @@
+"""A running simulated host: named scenarios, a clock thread that steps the model in real
+time, optional per-step hooks (the plain-tree refresher) and the control socket.
+
+Scenarios: incident (INCIDENTS §4), incident-x8 (XTX pair in x8 slots), incident-chipset
+(an extra R9700 on a PCH x4 root port without AtomicOps), incident-late (R9700 08:00.0
+appears 5 s after start), incident-no-od (ppfeaturemask without 0x4000), incident-7.0
+(Linux 7.0 era), bench32 (32 GPUs), amd-only-r9700 (the two R9700 only).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from .control import ControlServer
+from .host import SimHost
+
+SCENARIOS: dict[str, Callable[[int], SimHost]] = {
+    "incident": lambda seed: SimHost.incident(seed=seed),
+    "incident-x8": lambda seed: SimHost.incident(seed=seed, xtx_slot_width=8),
+    "incident-chipset": lambda seed: SimHost.incident(seed=seed, chipset_gpu=True),
+    "incident-late": lambda seed: _late(SimHost.incident(seed=seed)),
+    "incident-no-od": lambda seed: SimHost.incident(seed=seed, od_enabled=False),
+    "incident-7.0": lambda seed: SimHost.incident(seed=seed, era="7.0"),
+    "bench32": lambda seed: SimHost.incident(seed=seed, extra_gpus=28),
+    "amd-only-r9700": lambda seed: SimHost.incident(seed=seed, xtx=False),
+}
+
+
+def _late(host: SimHost) -> SimHost:
+    host.add_late_gpu("0000:08:00.0", after_s=5.0)
+    return host
+
+
+def build_scenario(name: str, seed: int = 0) -> SimHost:
+    try:
+        return SCENARIOS[name](seed)
+    except KeyError:
+        raise KeyError(f"unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}") from None
+
+
+class SimRunner:
+    def __init__(self, host: SimHost, interval: float = 0.5, control_socket: str | None = None,
+                 on_step: Callable[[], None] | None = None) -> None:
+        self.host = host
+        self.interval = interval
+        self.on_step = on_step
+        self.control = ControlServer(host, control_socket) if control_socket else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sim-clock", daemon=True)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            self.host.step(now - last)
+            last = now
+            if self.on_step:
+                self.on_step()
+
+    def start(self) -> "SimRunner":
+        if self.control:
+            self.control.start()
+        if self.interval > 0:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        if self.control:
+            self.control.stop()

@@ -1,0 +1,157 @@
+"""Issue 2 end to end: the daemon as a real process reading the FUSE-mounted simulated
+incident host, scraped over HTTP. Values are compared with what the simulated kernel
+files say at the same moment (the sim does not step on its own in these tests)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+R9700 = ("0000:05:00.0", "0000:08:00.0")
+XTX = ("0000:aa:00.0", "0000:b0:00.0")
+NAMES = """
+poll: {interval_seconds: 0.2, discover_seconds: 0.5}
+gpus:
+  - {name: r9700-a, match: {pci_id: "1002:7551", index: 0}}
+  - {name: r9700-b, match: {pci_id: "1002:7551", index: 1}}
+  - {name: xtx-0, match: {bdf: "0000:aa:00.0"}}
+  - {name: xtx-1, match: {bdf: "0000:b0:00.0"}}
+"""
+
+
+def test_status_json_lists_the_four_gpus_with_ids_values_and_od(sim):
+    sim.ctl("set_load", bdf=R9700[0], level=1.0)
+    sim.ctl("step", dt=5.0)
+    r = subprocess.run([sys.executable, "-m", "gpuguard", "status", "--json", "--sysfs-root", str(sim.mount)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    gpus = {g["bdf"]: g for g in json.loads(r.stdout)["gpus"]}
+    assert sorted(gpus) == sorted(R9700 + XTX)
+    for bdf in R9700:
+        g = gpus[bdf]
+        assert (g["vendor"], g["device_id"], g["model"]) == ("1002", "7551", "Radeon AI PRO R9700")
+        assert g["od"]["format"] == "rdna4"
+        assert g["od"]["settings"]["sclk_offset_mhz"] == 0
+        assert g["od"]["ranges"]["sclk_offset_mhz"] == [-500, 1000]  # INCIDENTS §2
+        assert g["od"]["ranges"]["vddgfx_offset_mv"] == [-200, 0]
+        assert g["vram_total_bytes"] == g["vram_visible_bytes"]  # large BAR on the R9700
+    for bdf in XTX:
+        g = gpus[bdf]
+        assert (g["vendor"], g["device_id"], g["model"]) == ("1002", "744c", "Radeon RX 7900 XTX")
+        assert g["od"]["format"] == "rdna3"
+        assert g["power_cap_watts"] == 355.0  # INCIDENTS §1
+        assert g["vram_visible_bytes"] == 256 * 2**20  # the 256 MB BAR of INCIDENTS §5
+    # values are the simulated kernel's, in base units
+    for bdf, g in gpus.items():
+        assert g["power_watts"] == int(sim.hwmon(bdf, "power1_average")) / 1e6
+        assert g["temperatures_celsius"]["junction"] == int(sim.hwmon(bdf, "temp2_input")) / 1e3
+        assert g["clocks_hz"]["sclk"] == int(sim.hwmon(bdf, "freq1_input"))
+    busy, idle = gpus[R9700[0]], gpus[R9700[1]]
+    assert busy["power_watts"] > idle["power_watts"] + 100
+    assert busy["busy_ratio"] > 0.9 and idle["busy_ratio"] < 0.1
+
+
+def test_metrics_carry_telemetry_with_values_and_units(sim, start_daemon, wait_for):
+    sim.ctl("set_load", bdf=XTX[0], level=0.8)
+    sim.ctl("step", dt=5.0)
+    d = start_daemon(sim.mount, NAMES)
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-0") == 1.0, what="xtx-0 up")
+    m = d.metrics()
+
+    def v(name, **labels):
+        return m[(name, tuple(sorted(labels.items())))]
+
+    assert v("gpuguard_gpu_info", gpu="xtx-0", bdf=XTX[0], vendor="1002", device_id="744c",
+             model="Radeon RX 7900 XTX", card=v.__name__ and _card(m, "xtx-0"), driver="amdgpu") == 1.0
+    assert v("gpuguard_gpu_power_watts", gpu="xtx-0") == int(sim.hwmon(XTX[0], "power1_average")) / 1e6
+    assert v("gpuguard_gpu_power_cap_watts", gpu="xtx-0") == 355.0
+    assert v("gpuguard_gpu_temperature_celsius", gpu="xtx-0", sensor="junction") == int(sim.hwmon(XTX[0], "temp2_input")) / 1e3
+    assert v("gpuguard_gpu_temperature_limit_celsius", gpu="xtx-0", sensor="junction", level="emergency") == \
+        int(sim.hwmon(XTX[0], "temp2_emergency")) / 1e3
+    assert v("gpuguard_gpu_clock_hertz", gpu="xtx-0", domain="sclk") == int(sim.hwmon(XTX[0], "freq1_input"))
+    assert v("gpuguard_gpu_voltage_volts", gpu="xtx-0", rail="vddgfx") == int(sim.hwmon(XTX[0], "in0_input")) / 1e3
+    assert v("gpuguard_gpu_vram_total_bytes", gpu="r9700-a") == 32624 * 2**20 or v("gpuguard_gpu_vram_total_bytes", gpu="r9700-a") > 30 * 2**30
+    assert 0.7 < v("gpuguard_gpu_busy_ratio", gpu="xtx-0") <= 1.0
+    assert v("gpuguard_gpu_od_setting", gpu="r9700-a", setting="sclk_offset_mhz") == 0
+    assert v("gpuguard_gpu_od_setting", gpu="xtx-0", setting="sclk_max_mhz") > 2000
+    assert v("gpuguard_build_info", version=__import__("gpuguard").__version__) == 1.0
+    assert ("gpuguard_poll_duration_seconds_count", (("source", "gpu"),)) in m
+    assert v("gpuguard_last_poll_timestamp_seconds", source="gpu") > 1e9
+
+
+def _card(m, gpu):
+    for (name, labels), _ in m.items():
+        d = dict(labels)
+        if name == "gpuguard_gpu_info" and d["gpu"] == gpu:
+            return d["card"]
+    raise KeyError(gpu)
+
+
+def test_lost_gpu_goes_down_others_keep_updating_no_traceback(sim, start_daemon, wait_for):
+    d = start_daemon(sim.mount, NAMES)
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-1") == 1.0, what="xtx-1 up")
+    sim.ctl("lose_gpu", bdf=XTX[1])  # reads fail with EIO first ...
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-1") == 0.0, what="xtx-1 down")
+    sim.ctl("step", dt=0.5)  # ... then its directories vanish
+    # the others keep updating: a changed load shows up in their power
+    before = d.value("gpuguard_gpu_power_watts", gpu="r9700-a")
+    sim.ctl("set_load", bdf=R9700[0], level=1.0)
+    sim.ctl("step", dt=5.0)
+    wait_for(lambda: d.value("gpuguard_gpu_power_watts", gpu="r9700-a") > before + 100, what="r9700-a to update")
+    assert d.value("gpuguard_gpu_up", gpu="xtx-1") == 0.0
+    assert d.value("gpuguard_gpu_up", gpu="xtx-0") == 1.0
+    events = [e["kind"] for e in __import__("httpx").get(f"{d.base}/v1/events").json()]
+    assert "gpu_lost" in events or "gpu_not_answering" in events
+    log = d.log.read_text()
+    assert "Traceback" not in log
+    assert d.stop() == 0
+
+
+def test_garbage_in_one_file_drops_that_value_and_counts_an_error(sim, start_daemon, wait_for):
+    d = start_daemon(sim.mount, NAMES)
+    wait_for(lambda: d.value("gpuguard_gpu_power_watts", gpu="r9700-b") is not None, what="power of r9700-b")
+    sim.ctl("garbage", bdf=R9700[1], file="power1_average", text="xyz\n")
+    wait_for(lambda: d.value("gpuguard_gpu_power_watts", gpu="r9700-b") is None, what="power to be absent")
+    m = d.metrics()
+    assert m[("gpuguard_gpu_up", (("gpu", "r9700-b"),))] == 1.0
+    assert m[("gpuguard_gpu_temperature_celsius", (("gpu", "r9700-b"), ("sensor", "edge")))] > 0
+    errors = ("gpuguard_poll_errors_total", (("gpu", "r9700-b"), ("source", "amdgpu")))
+    first = m[errors]
+    assert first >= 1
+    wait_for(lambda: d.metrics()[errors] > first, what="the error counter to keep counting")
+    status = __import__("httpx").get(f"{d.base}/v1/gpus/r9700-b").json()
+    assert "power1_average" in status["errors"]["power_watts"]  # names the file
+    assert "Traceback" not in d.log.read_text()
+
+
+def test_late_gpu_is_picked_up(sim, start_daemon, wait_for):
+    sim.ctl("add_late_gpu", bdf=R9700[1])
+    d = start_daemon(sim.mount, NAMES)
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="r9700-a") == 1.0, what="r9700-a")
+    assert d.value("gpuguard_gpu_up", gpu="r9700-b") is None  # not there yet
+    sim.ctl("appear", bdf=R9700[1])
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="r9700-b") == 1.0, what="the late card", timeout=10)
+    kinds = [e["kind"] for e in __import__("httpx").get(f"{d.base}/v1/events").json()]
+    assert "gpu_appeared" in kinds
+
+
+def test_pcie_metrics_and_findings_from_the_running_daemon(sim, start_daemon, wait_for):
+    d = start_daemon(sim.mount, NAMES.replace('{name: r9700-a, match: {pci_id: "1002:7551", index: 0}}',
+                                                 '{name: r9700-a, match: {pci_id: "1002:7551", index: 0}, expect_link: {gen: 4, width: 16}}'))
+    wait_for(lambda: d.value("gpuguard_gpu_pcie_bottleneck_bytes_per_second", gpu="xtx-0"), what="the PCIe report")
+    m = d.metrics()
+    # INCIDENTS §4: the XTX slot hop trained at 5 GT/s x16 (8b/10b: 8 GB/s per direction)
+    assert m[("gpuguard_gpu_pcie_bottleneck_bytes_per_second", (("gpu", "xtx-0"),))] == 8.0e9
+    # R9700: Gen3 x16 at the root port, 128b/130b
+    assert m[("gpuguard_gpu_pcie_bottleneck_bytes_per_second", (("gpu", "r9700-a"),))] == pytest.approx(8e9 * 128 / 130 * 16 / 8)
+    downgraded = {dict(l)["bdf"] for (n, l), v in m.items() if n == "gpuguard_pcie_link_downgraded" and v == 1 and dict(l)["gpu"] == "xtx-0"}
+    assert downgraded and downgraded <= {"0000:a7:00.0", "0000:a8:00.0"}
+    assert m[("gpuguard_gpu_bar_bytes", (("bar", "0"), ("gpu", "xtx-0")))] == 256 * 2**20
+    events = __import__("httpx").get(f"{d.base}/v1/events").json()
+    kinds = [(e["kind"], e["bdf"]) for e in events]
+    # expect_link Gen4 on an R9700 that sits behind a Gen3 root port: alert-grade
+    expect = [e for e in events if e["kind"] == "pcie_expect_link"]
+    assert expect and expect[0]["severity"] == "alert" and expect[0]["bdf"] == "0000:05:00.0", kinds
+    assert ("pcie_bar", "0000:aa:00.0") in kinds

@@ -1,0 +1,84 @@
+"""The shipped alert rules: valid for Prometheus, passing their promtool unit tests, every rule
+tested firing and not firing, and shaped the same way (for/severity/what-to-do)."""
+from __future__ import annotations
+
+import re
+
+
+# Public contract (DESIGN.md): silences, routes and runbooks refer to these names.
+# Renaming one needs a migration note in the README; then update this list.
+CONTRACT_ALERTS = {
+    "GpuguardGpuDown",
+    "GpuguardLargeBarInactive",
+    "GpuguardGpuHang",
+    "GpuguardGpuDeviceLost",
+    "GpuguardGpuResetFailed",
+    "GpuguardPcieLinkDowngraded",
+    "GpuguardPcieUncorrectableErrors",
+    "GpuguardProfileUnverified",
+    "GpuguardProfileApplyFailing",
+    "GpuguardTemperatureNearEmergency",
+    "GpuguardTemperatureEmergency",
+    "GpuguardPowerAtCap",
+    "GpuguardEngineStalled",
+    "GpuguardEngineDown",
+    "GpuguardEngineRestartLoop",
+    "GpuguardCacheZeroByteFiles",
+    "GpuguardDown",
+    "GpuguardAbsent",
+    "GpuguardNotPolling",
+    "GpuguardPollErrors",
+    "GpuguardWebhookFailing",
+}
+
+
+def test_promtool_check_rules(run_promtool):
+    rc, out = run_promtool("check", "rules", "alerts.yml")
+    assert rc == 0, out
+    assert f"SUCCESS: {len(CONTRACT_ALERTS)} rules found" in out, out
+
+
+def test_promtool_unit_tests_pass(run_promtool):
+    rc, out = run_promtool("test", "rules", "alerts_test.yml")
+    assert rc == 0, out
+    assert "SUCCESS" in out, out
+
+
+def test_alert_names_are_the_contract(alert_rules):
+    names = [r["alert"] for r in alert_rules]
+    assert len(names) == len(set(names)), "duplicate alert names"
+    assert set(names) == CONTRACT_ALERTS
+
+
+def test_every_rule_says_how_long_how_bad_and_what_to_do(alert_rules):
+    for r in alert_rules:
+        where = f"{r['group']}/{r['alert']}"
+        assert "for" in r, f"{where}: no `for:` (write `for: 0s` for alerts that fire at once)"
+        assert r["labels"]["severity"] in {"critical", "warning", "info"}, where
+        ann = r["annotations"]
+        assert ann.get("summary") and ann.get("description"), where
+        # A description names the action or the incident it comes from, not only the symptom.
+        assert re.search(r"INCIDENTS §\d|gpuguard \w+|systemctl|Check|check", ann["description"]), where
+
+
+def test_groups_one_per_concern(alert_rules):
+    groups = {r["group"] for r in alert_rules}
+    assert all(g.startswith("gpuguard-") for g in groups), groups
+    assert {"gpuguard-gpu", "gpuguard-kernel", "gpuguard-pcie", "gpuguard-profiles", "gpuguard-thermal",
+            "gpuguard-power", "gpuguard-engines", "gpuguard-caches", "gpuguard-self"} == groups
+
+
+def test_every_rule_is_tested_firing_and_not_firing(alert_rules, alert_tests):
+    doc = alert_tests
+    fired, quiet = set(), set()
+    for case in doc["tests"]:
+        for t in case.get("alert_rule_test", []):
+            (fired if t.get("exp_alerts") else quiet).add(t["alertname"])
+    names = {r["alert"] for r in alert_rules}
+    assert names - fired == set(), "rules never shown firing"
+    assert names - quiet == set(), "rules never shown staying quiet"
+    # Firing cases check the rendered annotations too (templates are easy to break).
+    for case in doc["tests"]:
+        for t in case.get("alert_rule_test", []):
+            for a in t.get("exp_alerts") or []:
+                assert a.get("exp_annotations", {}).get("description"), (t["alertname"], t["eval_time"])
