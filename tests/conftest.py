@@ -8,6 +8,10 @@ import pytest
 from support import poll_until
 
 REPO = Path(__file__).resolve().parent.parent
+# Subprocesses (the daemon, the FUSE sim) must import the same gpuguard whatever the
+# working directory a test moves to: make a relative PYTHONPATH absolute once.
+if os.environ.get("PYTHONPATH"):
+    os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in os.environ["PYTHONPATH"].split(os.pathsep) if p)
 # The reference corpus comes from other projects: read it in place, never copy it in.
 REFERENCE = Path(os.environ.get("GPUGUARD_REFERENCE", REPO.parent / "shared" / "reference"))
 

@@ -34,15 +34,25 @@ def test_reads_real_values_in_base_units(source):
     (dev,) = source.discover()
     snap = source.read(dev, "h200")
     assert snap.up
-    assert snap.power_watts == pytest.approx(125.964)
+    assert snap.power_watts == pytest.approx(79.141)
     assert (snap.power_cap_watts, snap.power_cap_min_watts, snap.power_cap_max_watts) == (700.0, 200.0, 700.0)
     assert snap.temperatures == {"gpu": 39.0}
     assert snap.temperature_limits[("gpu", "crit")] == 89.0
-    assert snap.clocks_hz["sclk"] == 1980e6 and snap.clocks_hz["mclk"] == 3201e6
+    assert snap.clocks_hz["sclk"] == 345e6 and snap.clocks_hz["mclk"] == 3201e6
     assert snap.vram_total_bytes == 150754820096
     # BAR1 on the H200 (256 GiB) exceeds VRAM: large BAR is active.
     assert snap.vram_visible_bytes >= snap.vram_total_bytes
     assert snap.performance_level == "P0"
+
+
+def test_replay_equals_what_the_real_host_read(source):
+    """The capture also stored the snapshot gpuguard made on the real host."""
+    real = json.loads(FIXTURE.read_text())["snapshots"][0]
+    (dev,) = source.discover()
+    replayed = source.read(dev, real["name"]).to_dict()
+    for key in ("power_watts", "power_cap_watts", "temperatures_celsius", "clocks_hz", "vram_total_bytes",
+                "vram_visible_bytes", "performance_level", "errors", "fan_rpm", "up"):
+        assert replayed[key] == real[key], key
 
 
 def test_fanless_card_has_no_fan_value_and_no_error(source):
@@ -50,6 +60,9 @@ def test_fanless_card_has_no_fan_value_and_no_error(source):
     snap = source.read(dev, "h200")
     assert snap.fan_rpm is None
     assert not any("fan" in k for k in snap.errors), snap.errors
+    # the H200 said so itself: nvmlDeviceGetNumFans == 0
+    calls = json.loads(FIXTURE.read_text())["calls"]
+    assert {"call": "nvmlDeviceGetNumFans", "args": ["h"], "result": 0} in calls
 
 
 def test_lost_gpu_is_down_with_the_reason():

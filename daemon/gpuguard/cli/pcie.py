@@ -91,8 +91,24 @@ class Source:
 def load(args) -> tuple[Source, PcieReport, list[str]]:
     src = Source(args)
     lines = read_kernel_log(args.kernel_log)
-    report = walk(src.root, busy_map(src.root, args.busy), kernel_lines=lines)
+    report = walk(src.root, busy_map(src.root, args.busy), kernel_lines=lines, vram=nvml_vram(src.root))
     return src, report, lines
+
+
+def nvml_vram(root: SysfsRoot) -> dict[str, int]:
+    """VRAM sizes of NVIDIA GPUs from NVML, on the real host only (a tree or a replayed
+    capture has no driver behind it)."""
+    if root.root != "/":
+        return {}
+    try:
+        from gpuguard.hw.nvml import NvmlSource
+    except ImportError:
+        return {}
+    try:
+        src = NvmlSource.open()
+        return src.vram_totals() if src is not None else {}
+    except Exception:
+        return {}
 
 
 def run(args) -> int:

@@ -54,9 +54,16 @@ def _fmt(v: float | None, spec: str, unit: str = "") -> str:
     return "?" if v is None else f"{v:{spec}}{unit}"
 
 
+def temps_text(t: dict[str, float]) -> str:
+    """edge/junction/mem on AMD, the single `gpu` sensor on NVIDIA."""
+    if "edge" in t or "junction" in t:
+        return "/".join(_fmt(t.get(k), ".0f") for k in ("edge", "junction", "mem")) + " e/j/m"
+    return " ".join(f"{v:.0f} {k}" for k, v in sorted(t.items())) or "?"
+
+
 def od_summary(od: dict[str, Any] | None, od_error: str | None) -> str:
     if od is None:
-        return "off" if od_error else "?"
+        return "off" if od_error else "n/a"
     s = od.get("settings", {})
     parts = []
     for key, label in (
@@ -71,7 +78,7 @@ def od_summary(od: dict[str, Any] | None, od_error: str | None) -> str:
 
 
 def render_table(gpus: list[dict[str, Any]]) -> str:
-    head = ["GPU", "BDF", "MODEL", "POWER/CAP W", "EDGE/JCT/MEM °C", "SCLK/MCLK MHz", "FAN", "BUSY", "VRAM GiB", "OD"]
+    head = ["GPU", "BDF", "MODEL", "POWER/CAP W", "TEMP °C", "SCLK/MCLK MHz", "FAN", "BUSY", "VRAM GiB", "OD"]
     rows = []
     for g in gpus:
         if not g["up"]:
@@ -89,7 +96,7 @@ def render_table(gpus: list[dict[str, Any]]) -> str:
                 g["bdf"],
                 g["model"],
                 f"{_fmt(g['power_watts'], '.0f')}/{_fmt(g['power_cap_watts'], '.0f')}",
-                "/".join(_fmt(t.get(k), ".0f") for k in ("edge", "junction", "mem")),
+                temps_text(t),
                 "/".join(_fmt(None if c.get(k) is None else c[k] / 1e6, ".0f") for k in ("sclk", "mclk")),
                 _fmt(g["fan_rpm"], ".0f"),
                 _fmt(None if g["busy_ratio"] is None else g["busy_ratio"] * 100, ".0f", "%"),

@@ -93,6 +93,17 @@ class NvmlSource:
             )
         return out
 
+    def vram_totals(self) -> dict[str, int]:
+        """bdf -> VRAM bytes: NVIDIA exports no mem_info_* in sysfs, and the PCIe
+        walker needs the size to judge large BAR."""
+        out = {}
+        for d in self.discover():
+            try:
+                out[d.bdf] = int(self.nvml.nvmlDeviceGetMemoryInfo(self.nvml.nvmlDeviceGetHandleByIndex(d.index)).total)
+            except Exception:
+                pass
+        return out
+
     def read(self, dev: NvmlDevice, name: str) -> GpuSnapshot:
         n = self.nvml
         errors: dict[str, str] = {}
