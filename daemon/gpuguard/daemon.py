@@ -23,6 +23,11 @@ from gpuguard.hw.pcie import PcieCollector
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sources import default_sources
 from gpuguard.hw.sysfs import SysfsRoot
+from gpuguard.kernel.kmsg import KmsgError, KmsgReader
+from gpuguard.kernel.router import KernelEventRouter
+from gpuguard.kernel.rules import Rules, RulesError
+from gpuguard.kernel.udev import UdevError, UdevMonitor
+from gpuguard.policy.kernel_actions import KernelActions
 from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
@@ -75,6 +80,8 @@ class Daemon:
         self.metrics.add_producer(
             PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=lambda: dict(self.poller.names)).collect
         )
+        self.kernel_actions = KernelActions(self)
+        self.kernel_router: KernelEventRouter | None = None
         # -- service layer (issue 6). Tokens are loaded in run(): a bad token file must end
         # the start with a one-line error, not a traceback from the constructor.
         self.audit = AuditLog.in_state_dir(config.state_dir)
@@ -110,6 +117,46 @@ class Daemon:
             self.poller.on_cycle.append(lambda snap: rec.record(snap))
             self.hub.on_event(lambda e: rec.record(events=[e]))
         self.hub.on_event(self._log_event)
+
+    def _kernel_event(self, e) -> None:
+        self.hub.counters.kernel_events[(e.gpu, e.kind)] += 1
+        self.hub.publish(e)
+
+    def start_kernel_sources(self) -> None:
+        """/dev/kmsg and udev. Either may be unavailable (no CAP_SYSLOG, a container
+        without netlink): that is logged and the rest of the daemon runs on."""
+        kc = self.config.kernel
+        if not kc.enabled:
+            return
+        try:
+            rules = Rules.load(builtin=kc.builtin_rules, extra_file=kc.rules_file)
+        except RulesError as e:
+            log.error("kernel rules not loaded, kernel log not watched: %s", e)
+            return
+        self.kernel_router = KernelEventRouter(
+            rules,
+            gpu_name_for_bdf=lambda bdf: self.poller.names.get(bdf),
+            hooks=self.kernel_actions,
+            policy=kc.policy,
+            max_events=kc.event_buffer,
+            debounce_s=kc.action_debounce_seconds,
+            recover_settle_s=kc.recover_settle_seconds,
+            on_event=self._kernel_event,
+        )
+        state_file = kc.state_file or os.path.join(self.config.state_dir, "kmsg-position.json")
+        try:
+            reader = KmsgReader(kc.kmsg_path, state_file, kc.allow_userspace, batch=kc.batch)
+            reader.open()
+            self.tasks.append(asyncio.create_task(self.kernel_router.run_kmsg(reader), name="kmsg"))
+        except (OSError, KmsgError) as e:
+            log.error("kernel log not watched: cannot read %s: %s (needs root or CAP_SYSLOG)", kc.kmsg_path, e)
+        if kc.udev:
+            try:
+                monitor = UdevMonitor(source=kc.udev_source)
+                monitor.start()
+                self.tasks.append(asyncio.create_task(self.kernel_router.run_udev(monitor), name="udev"))
+            except (UdevError, OSError) as e:
+                log.error("udev not watched: %s; late and vanished GPUs are still found by polling", e)
 
     def expected_links(self) -> dict[str, ExpectedLink]:
         """bdf -> expected slot link, from `gpus[].expect_link` and today's GPU names."""
@@ -250,6 +297,7 @@ class Daemon:
             await self.webhooks.start()
             self.notify.check_interval(self.config.poll.interval_seconds + self.config.poll.timeout_seconds)
             await self.poller.poll_once()  # discovery + a first snapshot before READY
+            self.start_kernel_sources()
             await self.start_server()
             if self.config.api.unix_socket:
                 await self.start_unix_server(self.config.api.unix_socket)

@@ -155,3 +155,31 @@ def test_pcie_metrics_and_findings_from_the_running_daemon(sim, start_daemon, wa
     expect = [e for e in events if e["kind"] == "pcie_expect_link"]
     assert expect and expect[0]["severity"] == "alert" and expect[0]["bdf"] == "0000:05:00.0", kinds
     assert ("pcie_bar", "0000:aa:00.0") in kinds
+
+
+def _kmsg_write(line: str) -> None:
+    # one write per record, with the newline that closes it (an open record is not seen)
+    with open("/dev/kmsg", "w") as f:
+        f.write(line + "\n")
+
+
+@pytest.mark.skipif(not __import__("os").access("/dev/kmsg", __import__("os").W_OK), reason="needs root: writes to /dev/kmsg")
+def test_kernel_line_becomes_an_event_of_its_gpu_and_a_metric(sim, start_daemon, wait_for):
+    d = start_daemon(sim.mount, NAMES + "kernel: {allow_userspace: true, udev: false}\n")
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-0") == 1.0, what="xtx-0 up")
+    _kmsg_write("<3>amdgpu 0000:aa:00.0: amdgpu: ring gfx_0.0.0 timeout, signaled seq=1234, emitted seq=1236")
+
+    def hang():
+        return [e for e in __import__("httpx").get(f"{d.base}/v1/events").json() if e["kind"] == "gpu_hang"]
+
+    (event,) = wait_for(hang, what="the gpu_hang event")
+    assert (event["gpu"], event["bdf"], event["source"]) == ("xtx-0", "0000:aa:00.0", "kernel")
+    assert d.value("gpuguard_kernel_events_total", gpu="xtx-0", kind="gpu_hang") == 1.0
+    # a restarted daemon (same state dir) does not report the old line again
+    d.stop()
+    d2 = start_daemon(sim.mount, NAMES + "kernel: {allow_userspace: true, udev: false}\n")
+    _kmsg_write("<3>amdgpu 0000:b0:00.0: amdgpu: ring comp_1.0.0 timeout, signaled seq=1, emitted seq=3")
+    wait_for(lambda: any(e["kind"] == "gpu_hang" and e["gpu"] == "xtx-1" for e in __import__("httpx").get(f"{d2.base}/v1/events").json()),
+             what="the new line after restart")
+    old = [e for e in __import__("httpx").get(f"{d2.base}/v1/events").json() if e["gpu"] == "xtx-0" and e["kind"] == "gpu_hang"]
+    assert old == []

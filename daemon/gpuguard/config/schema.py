@@ -6,6 +6,7 @@ import re
 from typing import Literal
 
 from gpuguard.hw.pcie_expect import ExpectedLink
+from gpuguard.kernel.config import KernelConfig
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuguard.config.service import ApiConfig, WebhookConfig  # service layer sections (issue 6)
@@ -94,6 +95,7 @@ class Config(Strict):
     gpus: list[GpuEntry] = []
     logging: LoggingConfig = LoggingConfig()
     recorder: RecorderConfig = RecorderConfig()
+    kernel: KernelConfig = KernelConfig()
     api: ApiConfig = ApiConfig()  # issue 6: control API auth, body limit, UNIX socket
     webhooks: list[WebhookConfig] = []  # issue 6: alert-grade events POSTed here
 

@@ -51,7 +51,9 @@ class KernelConfig(BaseModel):
     allow_userspace: bool = False
     builtin_rules: bool = True
     rules_file: str | None = Field(default=None, description="extra YAML rules, tried before the built-in ones")
-    state_file: str = "/var/lib/gpuguard/kmsg-position.json"
+    # Where the last seen record's sequence number is kept, so a restart neither re-alerts
+    # old lines nor misses new ones. Default: <state_dir>/kmsg-position.json.
+    state_file: str | None = None
     batch: int = Field(default=256, ge=1, le=65536, description="records per loop turn")
     event_buffer: int = Field(default=1000, ge=10, le=1_000_000, description="events kept in memory")
     action_debounce_seconds: float = Field(default=30.0, ge=0, description="one hook call per GPU and action within this window")

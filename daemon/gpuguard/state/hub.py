@@ -59,6 +59,9 @@ class Hub:
         # keyed by source name; each value is immutable.
         self._views: dict[str, Any] = {}
         self._subscribers: list[Callable[[Event], None]] = []
+        # GPUs (bdf) the kernel or udev declared lost: nothing writes to them until they
+        # reappear (DESIGN safety rule).
+        self.lost: set[str] = set()
         self._queues: list[asyncio.Queue] = []
 
     # -- snapshots -------------------------------------------------------------------
@@ -76,6 +79,15 @@ class Hub:
     @property
     def views(self) -> Mapping[str, Any]:
         return MappingProxyType(self._views)
+
+    def mark_lost(self, bdf: str) -> None:
+        self.lost.add(bdf)
+
+    def clear_lost(self, bdf: str) -> None:
+        self.lost.discard(bdf)
+
+    def is_lost(self, bdf: str) -> bool:
+        return bdf in self.lost
 
     # -- events ----------------------------------------------------------------------
     def publish(self, event: Event) -> None:
