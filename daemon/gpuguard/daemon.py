@@ -106,6 +106,11 @@ class Daemon:
         self.on_ready: list[Callable[[], Any]] = []
         # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
         self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
+        # Profiles: applied and verified before READY, re-applied on drift and late cards.
+        # (attached once on_ready exists: it appends its hook there)
+        from gpuguard.profiles import attach
+
+        attach(self)
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.kernel.config import KernelConfig
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from gpuguard.profiles.schema import ApplyConfig, Profile, assignment_problems
 
 from gpuguard.config.service import ApiConfig, WebhookConfig  # service layer sections (issue 6)
 
@@ -98,6 +100,15 @@ class Config(Strict):
     kernel: KernelConfig = KernelConfig()
     api: ApiConfig = ApiConfig()  # issue 6: control API auth, body limit, UNIX socket
     webhooks: list[WebhookConfig] = []  # issue 6: alert-grade events POSTed here
+    profiles: dict[str, Profile] = {}
+    apply: ApplyConfig = ApplyConfig()
+
+    @model_validator(mode="after")
+    def _profiles_exist(self) -> "Config":
+        problems = assignment_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> "Config":

@@ -1,0 +1,128 @@
+"""`gpuguard apply [--profile P] [GPU…] [--dry-run] [--reset GPU]`: put profiles on cards
+by hand, one card at a time, and print per card the values before → written → read back.
+Exits 0 only when every card read back equal (issue: "Applied" means read back equal).
+
+Without --profile each GPU gets the profile assigned in the config (`gpus[].profile`).
+GPUs are named as in the config, or by PCI address. Who asked is recorded as `cli`
+(plus $SUDO_USER/$USER) in the audit log."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("apply", help="apply (or --reset) clock/voltage/power profiles, read back, verify")
+    p.add_argument("gpus", nargs="*", metavar="GPU", help="GPU names or PCI addresses (default: every GPU with a profile)")
+    p.add_argument("--profile", "-p", default=None, help="apply this profile instead of each GPU's assigned one")
+    p.add_argument("--dry-run", action="store_true", help="validate and show the writes; write nothing")
+    p.add_argument("--reset", action="append", default=[], metavar="GPU",
+                   help="write `r` (+`c` where needed) and the default power cap, verify stock values")
+    p.add_argument("--config", "-c", default=None, help="config file (profiles, GPU names)")
+    p.add_argument("--sysfs-root", default=None, help="hardware below DIR instead of /")
+    p.add_argument("--why", default="by hand", help="reason recorded in the audit log")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_apply)
+
+
+def _fmt(v: Any) -> str:
+    return "—" if v is None else str(v)
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in results:
+        head = f"{r['gpu']} ({r['bdf']}) profile {r['profile']}: "
+        head += "VERIFIED" if r["verified"] else ("dry run" if r["result"] == "dry-run" else f"NOT VERIFIED ({r['result']})")
+        lines.append(head)
+        keys = list(r["expected"]) or sorted(set(r["before"]) | set(r["readback"]))
+        if keys:
+            lines.append(f"  {'setting':<20} {'before':>8} {'written':>10} {'read back':>10}")
+            for k in keys:
+                after = r["readback"].get(k) if r["result"] != "dry-run" else None
+                mark = "" if r["result"] == "dry-run" or after == r["expected"].get(k) else "  ≠"
+                lines.append(f"  {k:<20} {_fmt(r['before'].get(k)):>8} {_fmt(r['expected'].get(k)):>10} {_fmt(after):>10}{mark}")
+        shown = r["planned"] if r["result"] == "dry-run" else r["written"]
+        if shown:
+            lines.append(("  would write: " if r["result"] == "dry-run" else "  writes: ") + "; ".join(shown))
+        if not r["verified"] and r["result"] != "dry-run":
+            lines.append(f"  {r['message']}")
+    return "\n".join(lines)
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from gpuguard.config import ConfigError, load_config
+    from gpuguard.hw import amdgpu
+    from gpuguard.hw.sysfs import SysfsRoot
+    from gpuguard.profiles.apply import Applier, CardTarget
+    from gpuguard.profiles.audit import AuditLog
+    from gpuguard.profiles.safemode import SafeModeGuard
+    from gpuguard.profiles.schema import ProfilesConfig
+    from gpuguard.state.identity import assign_names
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
+    try:
+        pc = ProfilesConfig.from_root(config)
+    except ValueError as e:
+        print(f"{args.config}: {e}", file=sys.stderr)
+        return 2
+    root = SysfsRoot(args.sysfs_root or config.sysfs_root)
+    devices = amdgpu.discover(root)
+    names = assign_names(devices, config.gpus)
+    by_key = {**{b: b for b in names}, **{n: b for b, n in names.items()}}
+    who = f"cli:{os.environ.get('SUDO_USER') or os.environ.get('USER') or os.getuid()}"
+    applier = Applier(root, audit=AuditLog(os.path.join(pc.state_dir, "audit.log")),
+                      retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
+
+    def resolve(keys: list[str]) -> list[str] | None:
+        out = []
+        for k in keys:
+            bdf = by_key.get(k) or by_key.get(f"0000:{k}")
+            if bdf is None:
+                print(f"gpuguard apply: no GPU {k!r}; present: {', '.join(f'{n} ({b})' for b, n in names.items()) or 'none'}",
+                      file=sys.stderr)
+                return None
+            out.append(bdf)
+        return out
+
+    results = []
+    if args.reset:
+        bdfs = resolve(args.reset)
+        if bdfs is None:
+            return 2
+        for b in bdfs:
+            results.append(applier.reset(CardTarget(names[b], b), who, f"reset to stock: {args.why}", args.dry_run))
+    else:
+        if args.profile is not None and args.profile not in pc.profiles:
+            print(f"gpuguard apply: no profile {args.profile!r}; defined: {', '.join(sorted(pc.profiles)) or 'none'}",
+                  file=sys.stderr)
+            return 2
+        bdfs = resolve(args.gpus) if args.gpus else sorted(b for b, n in names.items() if args.profile or n in pc.assignments)
+        if bdfs is None:
+            return 2
+        if not bdfs:
+            print("gpuguard apply: no GPU has a profile assigned (gpus[].profile) and none was named", file=sys.stderr)
+            return 2
+        for b in bdfs:  # one card at a time
+            pname = args.profile or pc.assignments.get(names[b])
+            if pname is None:
+                print(f"gpuguard apply: {names[b]} has no profile assigned; give --profile", file=sys.stderr)
+                return 2
+            results.append(applier.apply(CardTarget(names[b], b), pname, pc.profiles[pname], who, args.why, args.dry_run))
+        if not args.dry_run and all(r.verified for r in results):
+            SafeModeGuard(pc.state_dir, root).clear()  # a person applied by hand: leave safe mode
+    out = [r.to_dict() for r in results]
+    if args.json:
+        print(json.dumps({"results": out}, indent=2, sort_keys=True))
+    else:
+        print(render(out))
+    if args.dry_run:
+        return 0 if all(r.result == "dry-run" for r in results) else 1
+    return 0 if all(r.verified for r in results) else 1

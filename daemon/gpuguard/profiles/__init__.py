@@ -1,0 +1,10 @@
+"""Clock/voltage/power profiles: validate, apply one card at a time, read back, retry,
+wait for late cards, re-apply after drift, check the clock under load, safe mode.
+
+Modules: schema (config models), plan (writes + validation + ordering), apply (one
+card: write, read back, retry), kernel_reason (EINVAL reasons from /dev/kmsg), audit,
+wait, drift, effective, safemode, ledger (state + metrics), lifecycle (`attach(daemon)`).
+"""
+from gpuguard.profiles.lifecycle import attach
+
+__all__ = ["attach"]

@@ -1,0 +1,85 @@
+"""What the profile feature knows right now, per GPU: the last apply result, apply
+counts by result, the effective-clock check, safe mode. The daemon's status view and the
+Prometheus producer read it; only the profile lifecycle writes it (on the event loop)."""
+from __future__ import annotations
+
+import collections
+import threading
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gpuguard.profiles.apply import METRIC_RESULT, CardResult
+from gpuguard.profiles.effective import ClockFinding
+
+
+class ProfileLedger:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.results: dict[str, CardResult] = {}  # gpu name -> last result
+        self.apply_counts: collections.Counter = collections.Counter()  # (gpu, profile, result)
+        self.observed_mhz: dict[str, tuple[str, float]] = {}  # gpu -> (profile, MHz under load)
+        self.findings: dict[str, list[ClockFinding]] = {}
+        self.safe_mode: str | None = None
+        self.wait_message: str | None = None
+
+    def record(self, r: CardResult) -> None:
+        with self._lock:
+            if r.result != "dry-run":
+                self.results[r.gpu] = r
+                self.apply_counts[(r.gpu, r.profile, METRIC_RESULT.get(r.result, "error"))] += 1
+
+    def set_effective(self, observed: Mapping[str, tuple[str, float]], findings: Iterable[ClockFinding]) -> None:
+        with self._lock:
+            self.observed_mhz = dict(observed)
+            f: dict[str, list[ClockFinding]] = {}
+            for x in findings:
+                f.setdefault(x.gpu, []).append(x)
+            self.findings = f
+
+    def unverified(self) -> list[CardResult]:
+        with self._lock:
+            return [r for r in self.results.values() if not r.verified]
+
+    def expected(self, gpu: str) -> Mapping[str, Any] | None:
+        r = self.results.get(gpu)
+        return r.expected if r is not None and r.verified else None
+
+    def view(self) -> Mapping[str, Any]:
+        """Immutable summary for the hub (status, API)."""
+        with self._lock:
+            return MappingProxyType({
+                "safe_mode": self.safe_mode,
+                "wait": self.wait_message,
+                "gpus": {g: r.to_dict() for g, r in sorted(self.results.items())},
+                "findings": [x.message for fs in self.findings.values() for x in fs],
+            })
+
+    def metrics(self) -> Iterable[Metric]:
+        with self._lock:
+            verified = GaugeMetricFamily("gpuguard_profile_verified", "1 = the profile's values read back equal",
+                                         labels=["gpu", "profile"])
+            for g, r in sorted(self.results.items()):
+                verified.add_metric([g, r.profile], 1.0 if r.verified else 0.0)
+            yield verified
+            total = CounterMetricFamily("gpuguard_profile_apply", "Profile applies by result",
+                                        labels=["gpu", "profile", "result"])
+            for (g, p, res), n in sorted(self.apply_counts.items()):
+                total.add_metric([g, p, res], n)
+            yield total
+            eff = GaugeMetricFamily("gpuguard_profile_effective_clock_hertz",
+                                    "SCLK observed under load on a GPU with a profile", labels=["gpu", "profile"])
+            for g, (p, mhz) in sorted(self.observed_mhz.items()):
+                eff.add_metric([g, p], mhz * 1e6)
+            yield eff
+            fin = GaugeMetricFamily("gpuguard_profile_effective_finding",
+                                    "1 = the clock under load contradicts the profile or its peers",
+                                    labels=["gpu", "profile", "kind"])
+            for g, fs in sorted(self.findings.items()):
+                for x in fs:
+                    fin.add_metric([g, x.profile, x.kind], 1.0)
+            yield fin
+            safe = GaugeMetricFamily("gpuguard_profiles_safe_mode", "1 = safe mode: no profiles applied")
+            safe.add_metric([], 1.0 if self.safe_mode else 0.0)
+            yield safe
