@@ -106,11 +106,6 @@ class Daemon:
         self.on_ready: list[Callable[[], Any]] = []
         # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
         self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
-        # Profiles: applied and verified before READY, re-applied on drift and late cards.
-        # (attached once on_ready exists: it appends its hook there)
-        from gpuguard.profiles import attach
-
-        attach(self)
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:
@@ -122,6 +117,10 @@ class Daemon:
             self.poller.on_cycle.append(lambda snap: rec.record(snap))
             self.hub.on_event(lambda e: rec.record(events=[e]))
         self.hub.on_event(self._log_event)
+        # Profiles: applied and verified before READY, re-applied on drift and late cards.
+        from gpuguard.profiles import attach
+
+        attach(self)
 
     def _kernel_event(self, e) -> None:
         self.hub.counters.kernel_events[(e.gpu, e.kind)] += 1
