@@ -11,7 +11,9 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sqlite3
+import stat
 from typing import Any, Callable
 
 import uvicorn
@@ -31,6 +33,12 @@ from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
 from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.sinks.recorder import FlightRecorder
+# -- service layer (issue 6): auth, audit, webhooks, sd_notify --
+from gpuguard.sinks.actions import Actions
+from gpuguard.sinks.audit import AuditLog
+from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore
+from gpuguard.sinks.notifier import WebhookNotifier, redact_url
+from gpuguard.sinks.systemd import SystemdNotify
 from gpuguard.state.hub import Hub
 
 log = logging.getLogger("gpuguard")
@@ -43,22 +51,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-class Notifier:
-    """sd_notify, a no-op outside systemd (no NOTIFY_SOCKET)."""
-
-    def __init__(self) -> None:
-        import os
-
-        self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
-        self._n = None
-        if self.enabled:
-            import sdnotify
-
-            self._n = sdnotify.SystemdNotifier()
-
-    def send(self, text: str) -> None:
-        if self._n is not None:
-            self._n.notify(text)
+Notifier = SystemdNotify  # issue 6: sd_notify moved to sinks/systemd.py
 
 
 class Daemon:
@@ -89,13 +82,30 @@ class Daemon:
         )
         self.kernel_actions = KernelActions(self)
         self.kernel_router: KernelEventRouter | None = None
-        self.app = build_app(self.hub, self.metrics)
-        self.notify = Notifier()
+        # -- service layer (issue 6). Tokens are loaded in run(): a bad token file must end
+        # the start with a one-line error, not a traceback from the constructor.
+        self.audit = AuditLog.in_state_dir(config.state_dir)
+        self.actions = Actions()  # other parts register providers here (sinks/actions.py)
+        self.actions.provide(pcie=self.pcie_document)
+        self.webhooks = WebhookNotifier(self.hub, config.webhooks)
+        self.metrics.add_producer(self.webhooks.collect)
+        self.app = build_app(
+            self.hub,
+            self.metrics,
+            policy=AccessPolicy(config.listen.address, config.api.open_reads),
+            audit=self.audit,
+            actions=self.actions,
+            max_body_bytes=config.api.max_body_bytes,
+            config_view=self.config_view,
+        )
+        self.unix_server: _Server | None = None
+        self.notify = SystemdNotify()
         self.stop_event = asyncio.Event()
         self.server: _Server | None = None
         self.tasks: list[asyncio.Task] = []
         self.on_ready: list[Callable[[], Any]] = []
-        self.poller.on_cycle.append(lambda snap: self.notify.send(f"WATCHDOG=1\nSTATUS={summary_line(self.hub)}"))
+        # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
+        self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:
@@ -167,9 +177,25 @@ class Daemon:
     def request_stop(self) -> None:
         self.stop_event.set()
 
+    def pcie_document(self) -> dict[str, Any] | None:
+        """GET /v1/pcie: the last walk (`gpuguard pcie --json` schema) plus its doctor
+        findings; None (503) until the first walk finished."""
+        report = self.hub.view("pcie")
+        if report is None:
+            return None
+        return {**report.to_dict(), "findings": [f.to_dict() for f in self.hub.view("pcie_findings", ())]}
+
+    def config_view(self) -> dict[str, Any]:
+        """The effective config for GET /v1/config (webhook URLs redacted: they carry secrets)."""
+        doc = self.config.model_dump(mode="json")
+        for w in doc.get("webhooks", []):
+            w["url"] = redact_url(w["url"])
+        return doc
+
     def reload(self) -> bool:
-        """Re-read the config file. Returns True when the new config took effect."""
-        self.notify.send("RELOADING=1")
+        """Re-read the config file (and the API token file). Returns True when the new
+        config took effect; an invalid config or token file keeps everything running as is."""
+        self.notify.reloading()
         try:
             if self.config_path is None:
                 log.warning("reload: no config file was given; nothing to re-read")
@@ -180,16 +206,35 @@ class Daemon:
                 for p in e.problems:
                     log.error("reload rejected, keeping the running config: file=%s %s", e.source, p)
                 return False
+            try:
+                tokens = TokenStore.load(new.api.token_file)
+            except TokenFileError as e:
+                log.error("reload rejected, keeping the running config and tokens: %s", e)
+                return False
+            if (new.listen, new.api.unix_socket) != (self.config.listen, self.config.api.unix_socket):
+                log.warning("reload: listen address and api.unix_socket changes take effect at the next restart")
             self.config = new
+            self.app.state.tokens = tokens
+            # the policy follows the address actually bound, not the one in the new file
+            self.app.state.policy = AccessPolicy(self.app.state.policy.listen_address, new.api.open_reads)
+            self.app.state.max_body_bytes = new.api.max_body_bytes
+            self.webhooks.configure(new.webhooks)
+            logging.getLogger().setLevel(new.logging.level.upper())
             self.poller.set_gpu_entries(new.gpus)
             self.poller.interval = new.poll.interval_seconds
             self.poller.timeout = new.poll.timeout_seconds
             self.poller.discover_every = new.poll.discover_seconds
             self.pcie.interval = new.poll.pcie_interval_seconds
-            log.info("reload: config %s applied", self.config_path)
+            log.info(
+                "reload: config %s applied poll_interval=%gs tokens=%d webhooks=%d",
+                self.config_path,
+                new.poll.interval_seconds,
+                len(tokens),
+                len(new.webhooks),
+            )
             return True
         finally:
-            self.notify.send("READY=1")
+            self.notify.ready(summary_line(self.hub))
 
     async def start_server(self) -> None:
         cfg = uvicorn.Config(
@@ -210,6 +255,29 @@ class Daemon:
                 )
             await asyncio.sleep(0.01)
 
+    async def start_unix_server(self, path: str) -> None:
+        """The API on a UNIX socket, mode 0600 from the moment it exists (umask at bind;
+        uvicorn's own uds= would chmod it 0666)."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)  # a stale socket from a killed run; never unlink anything else
+        os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"cannot listen on api.unix_socket {path}: {e.strerror}") from None
+        finally:
+            os.umask(old)
+        self.unix_server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False))
+        self.tasks.append(asyncio.create_task(self.unix_server.serve(sockets=[sock]), name="http-unix"))
+        while not self.unix_server.started:
+            if self.tasks[-1].done():
+                raise RuntimeError(f"cannot serve api.unix_socket {path}: {self.tasks[-1].exception() or 'server exited'}")
+            await asyncio.sleep(0.01)
+
     @property
     def bound_port(self) -> int | None:
         if self.server and self.server.servers:
@@ -224,9 +292,19 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
+            try:
+                self.app.state.tokens = TokenStore.load(self.config.api.token_file)
+            except TokenFileError as e:
+                raise RuntimeError(str(e)) from None
+            if self.config.api.token_file is None:
+                log.warning("api: no api.token_file configured; every mutating API call will be refused")
+            await self.webhooks.start()
+            self.notify.check_interval(self.config.poll.interval_seconds + self.config.poll.timeout_seconds)
             await self.poller.poll_once()  # discovery + a first snapshot before READY
             self.start_kernel_sources()
             await self.start_server()
+            if self.config.api.unix_socket:
+                await self.start_unix_server(self.config.api.unix_socket)
             for fn in self.on_ready:
                 r = fn()
                 if asyncio.iscoroutine(r):
@@ -237,19 +315,25 @@ class Daemon:
                 self.config.listen.address,
                 self.bound_port,
             )
-            self.notify.send(f"READY=1\nSTATUS={summary_line(self.hub)}")
+            self.notify.ready(summary_line(self.hub))
             self.tasks.append(asyncio.create_task(self.poller.run(self.stop_event), name="poller"))
             self.tasks.append(asyncio.create_task(self.pcie.run(self.stop_event), name="pcie"))
             await self.stop_event.wait()
             return 0
         finally:
-            self.notify.send("STOPPING=1")
-            if self.server is not None:
-                self.server.should_exit = True
+            self.notify.stopping()
+            self.app.state.confirm.close()
+            for srv in (self.server, self.unix_server):
+                if srv is not None:
+                    srv.should_exit = True
             for t in self.tasks:
-                if t.get_name() != "http":
+                if not t.get_name().startswith("http"):
                     t.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
+            await self.webhooks.close()
+            if self.unix_server is not None and self.config.api.unix_socket:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.config.api.unix_socket)
             self.poller.close()
             if self.recorder is not None:
                 self.recorder.close()

@@ -11,6 +11,8 @@ from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.kernel.config import KernelConfig
 from gpuguard.profiles.schema import ApplyConfig, Profile, assignment_problems
 
+from gpuguard.config.service import ApiConfig, WebhookConfig  # service layer sections (issue 6)
+
 BDF_RE = re.compile(r"^(?:[0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 PCI_ID_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{4}$")
 
@@ -96,6 +98,8 @@ class Config(Strict):
     logging: LoggingConfig = LoggingConfig()
     recorder: RecorderConfig = RecorderConfig()
     kernel: KernelConfig = KernelConfig()
+    api: ApiConfig = ApiConfig()  # issue 6: control API auth, body limit, UNIX socket
+    webhooks: list[WebhookConfig] = []  # issue 6: alert-grade events POSTed here
     profiles: dict[str, Profile] = {}
     apply: ApplyConfig = ApplyConfig()
 

@@ -1,0 +1,92 @@
+"""The audit log: one JSON line per action that kills a process or writes hardware (or
+was asked to), with what, on which target, who asked (API token name, policy, CLI), why,
+the evidence, the result and the time (DESIGN.md safety rules).
+
+Append-only: the file is opened with O_APPEND and each record is one `write()` of one
+line, so concurrent writers never interleave and nothing is ever rewritten. Each record
+is fsynced: the evidence must survive the hard reboot that may follow (INCIDENTS §2).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger("gpuguard.audit")
+
+AUDIT_FILE = "audit.jsonl"
+
+
+def jsonable(v: Any) -> Any:
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [jsonable(x) for x in v]
+    if hasattr(v, "to_dict"):
+        return jsonable(v.to_dict())
+    if hasattr(v, "items"):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    return repr(v)
+
+
+class AuditLog:
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def in_state_dir(cls, state_dir: str) -> "AuditLog":
+        return cls(Path(state_dir) / AUDIT_FILE)
+
+    def record(
+        self,
+        what: str,
+        who: str,
+        why: str,
+        *,
+        target: str | None = None,
+        evidence: Any = None,
+        result: str = "ok",
+        when: float | None = None,
+    ) -> dict[str, Any]:
+        """Append one record and return it. A failure to write is logged as an error with
+        the whole record (so the journal still has it), never raised into the caller."""
+        t = time.time() if when is None else when
+        rec = {
+            "time": dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds"),
+            "unix_time": t,
+            "what": what,
+            "target": target,
+            "who": who,
+            "why": why,
+            "result": result,
+            "evidence": jsonable(evidence),
+        }
+        line = (json.dumps(rec, sort_keys=True, ensure_ascii=True) + "\n").encode()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # O_NONBLOCK: a FIFO planted at this path must not wedge the event loop.
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+            try:
+                os.write(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.error("audit record not written path=%s error=%s record=%s", self.path, e.strerror, line.decode().strip())
+        return rec
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Read the records back (tests, `gpuguard audit`-style tools)."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        yield json.loads(line)
+        except FileNotFoundError:
+            return

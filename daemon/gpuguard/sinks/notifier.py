@@ -1,0 +1,179 @@
+"""Webhook alerts: every alert-grade event (stall, kill, device lost, reset failed,
+profile unverified, thermal emergency, link downgrade — severity alert/critical) is POSTed
+as JSON to each configured URL.
+
+Never blocks the loop: the hub callback only puts the event on a bounded queue per URL;
+one worker task per URL sends with httpx, retrying with exponential backoff. A dead or
+slow webhook fills only its own queue (further events for it are dropped and counted) and
+never delays another URL. Failures are counted per URL and exported as
+`gpuguard_webhook_failures_total{url}`, never fatal. INCIDENTS §1: the owner noticed a
+GPU loss 18 minutes late; an alert must leave the host within a second.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+from typing import Iterable
+from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from gpuguard import __version__
+from gpuguard.config.service import WebhookConfig
+from gpuguard.state.events import Event
+from gpuguard.state.hub import Hub
+
+log = logging.getLogger("gpuguard.webhook")
+
+QUEUE_SIZE = 256
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 30.0
+
+
+def redact_url(url: str) -> str:
+    """scheme://host[:port]/… — webhook paths and queries often carry secrets (Slack,
+    Discord), so logs and metrics labels show only where it goes."""
+    u = urlsplit(url)
+    host = u.hostname or "?"
+    port = f":{u.port}" if u.port else ""
+    return f"{u.scheme}://{host}{port}/…" if (u.path not in ("", "/") or u.query) else f"{u.scheme}://{host}{port}/"
+
+
+def payload(event: Event) -> dict:
+    return {
+        "source": "gpuguard",
+        "host": socket.gethostname(),
+        "version": __version__,
+        "event": event.to_dict(),
+        "text": f"[{event.severity}] {event.kind}: {event.message}",
+    }
+
+
+class _Target:
+    def __init__(self, cfg: WebhookConfig) -> None:
+        self.cfg = cfg
+        self.label = redact_url(cfg.url)
+        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self.task: asyncio.Task | None = None
+
+
+class WebhookNotifier:
+    def __init__(self, hub: Hub, webhooks: Iterable[WebhookConfig] = ()) -> None:
+        self.hub = hub
+        self.failures: collections.Counter[str] = collections.Counter()  # label -> failed deliveries
+        self.sent: collections.Counter[str] = collections.Counter()
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self._targets: dict[str, _Target] = {}
+        self._configs = list(webhooks)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: httpx.AsyncClient | None = None
+        hub.on_event(self._on_event)
+
+    # -- lifecycle (inside the running loop) -------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._client = httpx.AsyncClient(follow_redirects=False)
+        self.configure(self._configs)
+
+    def configure(self, webhooks: Iterable[WebhookConfig]) -> None:
+        """Apply a (re)loaded webhook list: new URLs get a worker, removed ones are stopped,
+        unchanged ones keep their queue."""
+        self._configs = list(webhooks)
+        if self._loop is None:
+            return
+        wanted = {w.url: w for w in self._configs}
+        for url in list(self._targets):
+            if url not in wanted or self._targets[url].cfg != wanted[url]:
+                t = self._targets.pop(url)
+                if t.task is not None:
+                    t.task.cancel()
+        for url, cfg in wanted.items():
+            if url not in self._targets:
+                t = _Target(cfg)
+                t.task = self._loop.create_task(self._worker(t), name=f"webhook {t.label}")
+                self._targets[url] = t
+
+    async def close(self) -> None:
+        tasks = [t.task for t in self._targets.values() if t.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._targets.clear()
+        if self._client is not None:
+            await self._client.aclose()
+
+    # -- intake (hub callback; must not block) ------------------------------------------------
+    def _on_event(self, event: Event) -> None:
+        if not event.alert_grade or self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._enqueue(event)
+        elif not self._loop.is_closed():  # published from a reader thread
+            self._loop.call_soon_threadsafe(self._enqueue, event)
+
+    def _enqueue(self, event: Event) -> None:
+        for t in self._targets.values():
+            try:
+                t.queue.put_nowait(event)
+            except asyncio.QueueFull:
+                self.dropped[t.label] += 1
+                log.warning("webhook queue full url=%s dropped kind=%s", t.label, event.kind)
+
+    # -- delivery --------------------------------------------------------------------------
+    async def _worker(self, t: _Target) -> None:
+        while True:
+            event = await t.queue.get()
+            await self._deliver(t, event)
+
+    async def _deliver(self, t: _Target, event: Event) -> bool:
+        assert self._client is not None
+        body = payload(event)
+        delay = BACKOFF_FIRST
+        for attempt in range(t.cfg.retries + 1):
+            try:
+                r = await self._client.post(t.cfg.url, json=body, timeout=t.cfg.timeout_seconds)
+                if r.status_code < 300:
+                    self.sent[t.label] += 1
+                    return True
+                why = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            self.failures[t.label] += 1
+            last = attempt == t.cfg.retries
+            log.warning(
+                "webhook failed url=%s kind=%s attempt=%d/%d error=%s%s",
+                t.label,
+                event.kind,
+                attempt + 1,
+                t.cfg.retries + 1,
+                why,
+                " giving up" if last else f" retry_in={delay:g}s",
+            )
+            if last:
+                return False
+            await asyncio.sleep(delay)  # backoff between attempts; other URLs are unaffected
+            delay = min(delay * 2, BACKOFF_MAX)
+        return False
+
+    # -- metrics ---------------------------------------------------------------------------
+    def collect(self) -> Iterable[Metric]:
+        fam = CounterMetricFamily(
+            "gpuguard_webhook_failures", "Failed webhook POST attempts (each retry counts)", labels=["url"]
+        )
+        sent = CounterMetricFamily("gpuguard_webhook_sent", "Alert events delivered to a webhook", labels=["url"])
+        dropped = CounterMetricFamily(
+            "gpuguard_webhook_dropped", "Alert events dropped because the webhook's queue was full", labels=["url"]
+        )
+        labels = sorted({t.label for t in self._targets.values()} | set(self.failures) | set(self.sent))
+        for label in labels:
+            fam.add_metric([label], self.failures[label])
+            sent.add_metric([label], self.sent[label])
+            dropped.add_metric([label], self.dropped[label])
+        yield from (fam, sent, dropped)

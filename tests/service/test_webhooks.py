@@ -1,0 +1,198 @@
+"""Webhook alerts against a real HTTP receiver: an alert-grade event reaches it within 1 s
+of being published on the hub; info events do not go out; a dead or failing webhook is
+retried with backoff, counted in /metrics, and never holds up another webhook."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuguard.config.service import WebhookConfig
+from gpuguard.sinks.metrics import MetricsSink
+from gpuguard.sinks.notifier import WebhookNotifier, redact_url
+from gpuguard.state.events import Event
+from gpuguard.state.hub import Hub
+
+
+class Receiver:
+    """A real HTTP server that records each POST (arrival time, JSON) and answers with
+    the next status in `answers` (then 200)."""
+
+    def __init__(self, answers: list[int] | None = None) -> None:
+        self.got: list[tuple[float, dict]] = []
+        self.answers = list(answers or [])
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                status = outer.answers.pop(0) if outer.answers else 200
+                outer.got.append((time.monotonic(), json.loads(body)))
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hooks/secret-path?key=s3cret"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def dead_url() -> str:
+    """A port nobody listens on (bound, then closed)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}/dead"
+
+
+async def until(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def stall(**kw) -> Event:
+    return Event("engine_stalled", "alert", "engines", "vllm-a: 1 request running, no token for 12 s", engine="vllm-a", **kw)
+
+
+def test_alert_reaches_the_receiver_within_a_second(receiver):
+    async def main():
+        hub = Hub()
+        n = WebhookNotifier(hub, [WebhookConfig(url=receiver.url)])
+        await n.start()
+        try:
+            hub.publish(Event("gpu_appeared", "info", "poller", "not for webhooks"))
+            t0 = time.monotonic()
+            hub.publish(stall())
+            await until(lambda: receiver.got, 1.0, "the stall alert at the receiver")
+            assert receiver.got[0][0] - t0 < 1.0
+            sent = receiver.got[0][1]
+            assert sent["event"]["kind"] == "engine_stalled" and sent["event"]["engine"] == "vllm-a"
+            assert sent["event"]["severity"] == "alert" and "vllm-a" in sent["text"]
+            hub.publish(Event("gpu_lost", "critical", "poller", "gone", gpu="gpu0"))
+            await until(lambda: len(receiver.got) == 2, 1.0, "the critical event")
+            assert [g[1]["event"]["kind"] for g in receiver.got] == ["engine_stalled", "gpu_lost"]  # no info event
+        finally:
+            await n.close()
+
+    asyncio.run(main())
+
+
+def test_alert_from_a_reader_thread_is_delivered(receiver):
+    async def main():
+        hub = Hub()
+        n = WebhookNotifier(hub, [WebhookConfig(url=receiver.url)])
+        await n.start()
+        try:
+            t = threading.Thread(target=hub.publish, args=(stall(),))
+            t.start()
+            t.join()
+            await until(lambda: receiver.got, 1.0, "the alert published from another thread")
+        finally:
+            await n.close()
+
+    asyncio.run(main())
+
+
+def test_dead_webhook_is_counted_and_does_not_delay_a_live_one(receiver):
+    dead = dead_url()
+
+    async def main():
+        hub = Hub()
+        metrics = MetricsSink(hub)
+        n = WebhookNotifier(hub, [WebhookConfig(url=dead, retries=2, timeout_seconds=1),
+                                  WebhookConfig(url=receiver.url)])
+        metrics.add_producer(n.collect)
+        await n.start()
+        try:
+            t0 = time.monotonic()
+            hub.publish(stall())
+            await until(lambda: receiver.got, 1.0, "the live webhook despite the dead one")
+            assert receiver.got[0][0] - t0 < 1.0
+            # first try + 2 retries with 0.5 s, 1 s backoff
+            await until(lambda: n.failures[redact_url(dead)] == 3, 5.0, "three failed attempts at the dead webhook")
+            await until(lambda: n.sent[redact_url(receiver.url)] == 1, 1.0, "the live delivery to be counted")
+            return metrics.render().decode()
+        finally:
+            await n.close()
+
+    text = asyncio.run(main())
+    samples = {(s.name, s.labels.get("url")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("gpuguard_webhook_failures_total", redact_url(dead))] == 3
+    assert samples[("gpuguard_webhook_failures_total", redact_url(receiver.url))] == 0
+    assert samples[("gpuguard_webhook_sent_total", redact_url(receiver.url))] == 1
+    assert "s3cret" not in text and "secret-path" not in text  # URLs carry secrets: labels are redacted
+
+
+def test_failing_webhook_is_retried_with_backoff():
+    r = Receiver(answers=[500, 503])
+    try:
+
+        async def main():
+            hub = Hub()
+            n = WebhookNotifier(hub, [WebhookConfig(url=r.url, retries=3)])
+            await n.start()
+            try:
+                hub.publish(stall())
+                # sent counts once the 200 came back (the receiver records before answering)
+                await until(lambda: n.sent[redact_url(r.url)] == 1, 5.0, "delivery on the third attempt")
+                return n
+            finally:
+                await n.close()
+
+        n = asyncio.run(main())
+        times = [t for t, _ in r.got]
+        assert times[1] - times[0] >= 0.45 and times[2] - times[1] >= 0.95  # 0.5 s, then 1 s
+        assert len(times) == 3 and n.failures[redact_url(r.url)] == 2
+    finally:
+        r.close()
+
+
+def test_reload_adds_and_removes_webhooks(receiver):
+    other = Receiver()
+    try:
+
+        async def main():
+            hub = Hub()
+            n = WebhookNotifier(hub, [WebhookConfig(url=receiver.url)])
+            await n.start()
+            try:
+                n.configure([WebhookConfig(url=other.url)])
+                hub.publish(stall())
+                await until(lambda: other.got, 1.0, "the alert at the newly configured webhook")
+            finally:
+                await n.close()
+
+        asyncio.run(main())
+        assert receiver.got == []
+    finally:
+        other.close()
+
+
+def test_redact_url():
+    assert redact_url("https://hooks.slack.com/services/T0/B0/XXXX") == "https://hooks.slack.com/…"
+    assert redact_url("http://10.0.0.5:9000/") == "http://10.0.0.5:9000/"
