@@ -183,3 +183,53 @@ def test_kernel_line_becomes_an_event_of_its_gpu_and_a_metric(sim, start_daemon,
              what="the new line after restart")
     old = [e for e in __import__("httpx").get(f"{d2.base}/v1/events").json() if e["gpu"] == "xtx-0" and e["kind"] == "gpu_hang"]
     assert old == []
+
+
+PROFILES = """
+profiles:
+  psu-safe: {power_cap_w: 210, sclk_offset_mhz: -500, vddgfx_offset_mv: -100}
+"""
+
+
+def _od(sim, bdf: str) -> str:
+    return (sim.mount / f"sys/bus/pci/devices/{bdf}/pp_od_clk_voltage").read_bytes().replace(b"\0", b"").decode()
+
+
+def test_api_applies_a_profile_and_reverts_it_unless_confirmed(sim, start_daemon, wait_for, tmp_path):
+    import httpx
+
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("ops-laptop: s3cret-token-0123456789\n")
+    tokens.chmod(0o600)
+    d = start_daemon(sim.mount, NAMES + PROFILES + f"api: {{token_file: {tokens}}}\n")
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="r9700-a") == 1.0, what="r9700-a up")
+    auth = {"Authorization": "Bearer s3cret-token-0123456789"}
+    assert "OD_SCLK_OFFSET:\n0Mhz" in _od(sim, "0000:05:00.0")
+
+    # no token: refused, nothing written
+    r = httpx.post(f"{d.base}/v1/gpus/r9700-a/apply", json={"profile": "psu-safe"}, timeout=10)
+    assert r.status_code == 401 and "OD_SCLK_OFFSET:\n0Mhz" in _od(sim, "0000:05:00.0")
+
+    # applied and read back; not confirmed within 2 s: reverted to the state before
+    r = httpx.post(f"{d.base}/v1/gpus/r9700-a/apply", json={"profile": "psu-safe", "confirm_within": 2},
+                   headers=auth, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["pending_confirm"]["gpu"] == "r9700-a"
+    assert "OD_SCLK_OFFSET:\n-500Mhz" in _od(sim, "0000:05:00.0")
+    assert sim.hwmon("0000:05:00.0", "power1_cap").strip() == "210000000"
+    wait_for(lambda: "OD_SCLK_OFFSET:\n0Mhz" in _od(sim, "0000:05:00.0"), timeout=15, what="the revert")
+    wait_for(lambda: sim.hwmon("0000:05:00.0", "power1_cap").strip() == "300000000", what="cap restored")
+
+    # applied and confirmed in time: stays
+    r = httpx.post(f"{d.base}/v1/gpus/r9700-b/apply", json={"profile": "psu-safe", "confirm_within": 3},
+                   headers=auth, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{d.base}/v1/gpus/r9700-b/confirm", json={}, headers=auth, timeout=10)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{d.base}/v1/status", timeout=5).json()["pending_confirm"] == {}
+    assert "OD_SCLK_OFFSET:\n-500Mhz" in _od(sim, "0000:08:00.0")
+
+    # the audit log names the token, never the token itself
+    audit = (tmp_path / "state" / "audit.jsonl").read_text()
+    assert "ops-laptop" in audit and "s3cret-token" not in audit
+    assert '"what": "profile_write"' in audit

@@ -84,7 +84,7 @@ class Daemon:
 
 
 def verified_gpus(state_dir):
-    return {r["gpu"] for r in read_audit(os.path.join(state_dir, "audit.log")) if r["action"] == "verified"}
+    return {r["gpu"] for r in read_audit(os.path.join(state_dir, "audit.jsonl")) if r["action"] == "verified"}
 
 
 def wait_until(cond, timeout, what):
@@ -167,7 +167,7 @@ def test_late_card_after_ready_is_applied_on_appearance(tmp_path, mount_sim, lat
         assert verified_gpus(tmp_path / "state") == set(GPUS) - {"r9700-b"}
         m.host.appear("0000:08:00.0")
         wait_until(lambda: "r9700-b" in verified_gpus(tmp_path / "state"), 30, "late card verified")
-        rec = [r for r in read_audit(tmp_path / "state" / "audit.log") if r["action"] == "verified" and r["gpu"] == "r9700-b"]
+        rec = [r for r in read_audit(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified" and r["gpu"] == "r9700-b"]
         assert "appeared" in rec[0]["why"]
     finally:
         d.stop()
@@ -176,7 +176,7 @@ def test_late_card_after_ready_is_applied_on_appearance(tmp_path, mount_sim, lat
 def test_gpu_reset_drift_is_reapplied_within_two_cycles(tmp_path, mount_sim):
     m = mount_sim()
     d = Daemon(tmp_path, write_config(tmp_path, m.mountpoint))
-    audit = tmp_path / "state" / "audit.log"
+    audit = tmp_path / "state" / "audit.jsonl"
     try:
         d.wait_for("READY=1")
         n = len(read_audit(audit))

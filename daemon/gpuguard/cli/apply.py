@@ -58,7 +58,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from gpuguard.hw import amdgpu
     from gpuguard.hw.sysfs import SysfsRoot
     from gpuguard.profiles.apply import Applier, CardTarget
-    from gpuguard.profiles.audit import AuditLog
+    from gpuguard.profiles.audit import AuditLog, audit_path
     from gpuguard.profiles.safemode import SafeModeGuard
     from gpuguard.profiles.schema import ProfilesConfig
     from gpuguard.state.identity import assign_names
@@ -78,7 +78,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     names = assign_names(devices, config.gpus)
     by_key = {**{b: b for b in names}, **{n: b for b, n in names.items()}}
     who = f"cli:{os.environ.get('SUDO_USER') or os.environ.get('USER') or os.getuid()}"
-    applier = Applier(root, audit=AuditLog(os.path.join(pc.state_dir, "audit.log")),
+    applier = Applier(root, audit=AuditLog(audit_path(pc.state_dir)),
                       retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
 
     def resolve(keys: list[str]) -> list[str] | None:

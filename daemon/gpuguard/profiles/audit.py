@@ -1,46 +1,63 @@
-"""The audit log: every hardware write (and every apply's outcome) as one JSON line with
-who asked (`cli`, `policy`, an API token name) and why. DESIGN.md: anything that writes
-hardware is logged. Default file: `<state_dir>/audit.log`, appended and fsync'd."""
+"""Profile writes in the daemon's one audit log (gpuguard.sinks.audit: `<state_dir>/
+audit.jsonl`, append-only, fsynced). The apply code speaks in flat records
+(`{"action": "write", "who", "why", "gpu", "bdf", "file", "value", ...}`); this adapter
+files them as `what` / `target` / `result` with the rest as evidence, and reads them back
+flat for tests and `gpuguard apply`. DESIGN.md: anything that writes hardware is logged."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
-import time
 from typing import Any, Callable
 
-log = logging.getLogger("gpuguard.audit")
+from gpuguard.sinks.audit import AUDIT_FILE
+from gpuguard.sinks.audit import AuditLog as _SinkAudit
 
 Audit = Callable[[dict], None]
+
+_TOP = ("action", "who", "why", "gpu", "result")
+
+
+def audit_path(state_dir: str) -> str:
+    return os.path.join(state_dir, AUDIT_FILE)
 
 
 class AuditLog:
     def __init__(self, path: str) -> None:
         self.path = path
+        self._log = _SinkAudit(path)
         self._lock = threading.Lock()
 
     def __call__(self, record: dict[str, Any]) -> None:
-        rec = {"time": time.time(), **record}
-        line = json.dumps(rec, sort_keys=True, default=str) + "\n"
+        evidence = {k: v for k, v in record.items() if k not in _TOP}
         with self._lock:
-            try:
-                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
-                try:
-                    os.write(fd, line.encode())
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                # The write itself already happened or is about to; losing the audit line
-                # must be loud, never silent.
-                log.error("audit log %s not writable (%s); record: %s", self.path, e.strerror, line.strip())
+            self._log.record(
+                f"profile_{record.get('action', '?')}",
+                str(record.get("who", "?")),
+                str(record.get("why", "")),
+                target=record.get("gpu"),
+                evidence=evidence,
+                result=str(record.get("result", "ok")),
+            )
 
 
 def read_audit(path: str) -> list[dict[str, Any]]:
+    """Profile records of the audit log, flat again (other actions are skipped)."""
+    out = []
     try:
         with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for line in f:
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if not str(rec.get("what", "")).startswith("profile_"):
+                    continue
+                out.append({
+                    **(rec.get("evidence") or {}),
+                    "action": rec["what"][len("profile_"):],
+                    "who": rec["who"], "why": rec["why"], "gpu": rec.get("target"),
+                    "result": rec.get("result"), "time": rec.get("unix_time"),
+                })
     except FileNotFoundError:
-        return []
+        pass
+    return out

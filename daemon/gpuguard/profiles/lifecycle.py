@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from gpuguard.profiles.apply import Applier, CardResult, CardTarget, result_event
-from gpuguard.profiles.audit import AuditLog
+from gpuguard.profiles.audit import AuditLog, audit_path
 from gpuguard.profiles.drift import drift
 from gpuguard.profiles.effective import effective_findings
 from gpuguard.profiles.kernel_reason import KmsgReasons
@@ -39,7 +39,7 @@ class ProfileRuntime:
         self.cfg = ProfilesConfig.from_root(daemon.config)
         a = self.cfg.apply
         self.ledger = ProfileLedger()
-        self.audit = AuditLog(os.path.join(self.cfg.state_dir, "audit.log"))
+        self.audit = AuditLog(audit_path(self.cfg.state_dir))
         self.applier = applier or Applier(
             daemon.root, audit=self.audit, kernel_reason=KmsgReasons(daemon.root), retries=a.retries,
             backoff=a.backoff_seconds, is_lost=lambda bdf: bdf in daemon.poller.lost or daemon.hub.is_lost(bdf),
@@ -184,6 +184,11 @@ def attach(daemon: Any) -> ProfileRuntime:
     daemon.poller.on_cycle.append(rt.on_cycle)
     daemon.metrics.add_producer(rt.ledger.metrics)
     daemon.profiles = rt
+    actions = getattr(daemon, "actions", None)
+    if actions is not None:  # the control API's apply/reset/confirm-window providers
+        from gpuguard.profiles.api import ProfileActions
+
+        actions.provide_from(ProfileActions(rt))
     # After a GPU reset the card is back at stock settings (INCIDENTS §3: silently):
     # re-verify and re-apply at once rather than waiting for the drift check.
     actions = getattr(daemon, "kernel_actions", None)
