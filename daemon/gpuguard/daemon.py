@@ -103,7 +103,8 @@ class Daemon:
         self.stop_event = asyncio.Event()
         self.server: _Server | None = None
         self.tasks: list[asyncio.Task] = []
-        self.on_ready: list[Callable[[], Any]] = []
+        self.on_ready: list[Callable[[], Any]] = []  # before READY=1 (profiles: apply + verify)
+        self.on_serving: list[Callable[[], Any]] = []  # after READY=1 (the demo's banner)
         # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
         self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
         self.recorder: FlightRecorder | None = None
@@ -309,6 +310,10 @@ class Daemon:
                 r = fn()
                 if asyncio.iscoroutine(r):
                     await r
+            if self.on_ready:
+                # the hooks may have written the cards (profiles): what is served at READY
+                # must be what the cards read now, not what they read before the apply
+                await self.poller.poll_once()
             log.info(
                 "ready: %s; metrics at http://%s:%s/metrics",
                 summary_line(self.hub),
@@ -316,6 +321,8 @@ class Daemon:
                 self.bound_port,
             )
             self.notify.ready(summary_line(self.hub))
+            for fn in self.on_serving:
+                fn()
             self.tasks.append(asyncio.create_task(self.poller.run(self.stop_event), name="poller"))
             self.tasks.append(asyncio.create_task(self.pcie.run(self.stop_event), name="pcie"))
             await self.stop_event.wait()

@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "-c", default=None, help="config file (default: the built-in demo config)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 9436, or a free one if taken)")
     p.add_argument("--dir", default=None, help="where to put the simulated tree (default: a temporary folder)")
-    p.add_argument("--fuse", action="store_true", help="mount the host with FUSE (needs root or fusermount3): exact kernel errno")
+    p.add_argument("--tree", action="store_true",
+                   help="serve the host as a plain directory even where FUSE works (default: FUSE when available — "
+                        "exact kernel errno and OD commits — else a plain directory)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--write-tree", metavar="DIR", default=None, help="only write the simulated host to DIR and exit")
     p.set_defaults(func=cmd_demo)
@@ -96,15 +98,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     load = DemoLoad(host)
     load()
     mount = None
-    if args.fuse:
+    if not args.tree:
         from gpuguard.sim.fuse import fuse_available, mount as fuse_mount
 
         reason = fuse_available()
         if reason:
-            print(f"gpuguard demo: FUSE not available ({reason}); using a plain tree", file=sys.stderr)
+            print(f"gpuguard demo: FUSE not available ({reason}); serving a plain tree, without profiles "
+                  "(a plain directory has no driver to commit OD writes)", file=sys.stderr)
         else:
-            mount = fuse_mount(host, root)
-            mount.__enter__()
+            try:
+                mount = fuse_mount(host, root)
+                mount.__enter__()
+            except (RuntimeError, OSError) as e:
+                mount = None
+                print(f"gpuguard demo: FUSE mount failed ({e}); serving a plain tree, without profiles", file=sys.stderr)
+    if mount is None and any(g.profile for g in config.gpus):
+        config = config.model_copy(update={"gpus": [g.model_copy(update={"profile": None}) for g in config.gpus]})
     if mount is None:
         from gpuguard.sim.tree import write_tree
 
@@ -154,7 +163,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    daemon.on_ready.append(announce)
+    daemon.on_serving.append(announce)
 
     async def main() -> int:
         if args.seconds is not None:

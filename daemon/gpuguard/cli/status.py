@@ -38,7 +38,8 @@ def read_local(sysfs_root: str, config: Any) -> list[dict[str, Any]]:
     return [g.to_dict() for g in snap.gpus]
 
 
-def ask_daemon(base: str) -> list[dict[str, Any]] | None:
+def ask_daemon(base: str) -> dict[str, Any] | None:
+    """The running daemon's /v1/status, or None when no daemon answers there."""
     import httpx
 
     try:
@@ -47,7 +48,7 @@ def ask_daemon(base: str) -> list[dict[str, Any]] | None:
         return None
     if r.status_code != 200:
         return None
-    return r.json().get("gpus", [])
+    return r.json()
 
 
 def _fmt(v: float | None, spec: str, unit: str = "") -> str:
@@ -77,8 +78,19 @@ def od_summary(od: dict[str, Any] | None, od_error: str | None) -> str:
     return " ".join(parts) or od.get("format", "?")
 
 
-def render_table(gpus: list[dict[str, Any]]) -> str:
+def profile_cell(profiles: dict[str, Any], gpu: str) -> str:
+    r = (profiles.get("gpus") or {}).get(gpu)
+    if not r:
+        return ""
+    return f"{r.get('profile')} {'✓' if r.get('verified') else '✗ ' + str(r.get('result'))}"
+
+
+def render_table(gpus: list[dict[str, Any]], profiles: dict[str, Any] | None = None) -> str:
+    profiles = profiles or {}
     head = ["GPU", "BDF", "MODEL", "POWER/CAP W", "TEMP °C", "SCLK/MCLK MHz", "FAN", "BUSY", "VRAM GiB", "OD"]
+    with_profiles = bool(profiles.get("gpus"))
+    if with_profiles:
+        head.append("PROFILE")
     rows = []
     for g in gpus:
         if not g["up"]:
@@ -105,6 +117,9 @@ def render_table(gpus: list[dict[str, Any]]) -> str:
                 od_summary(g.get("od"), g.get("od_error")),
             ]
         )
+    if with_profiles:
+        for r, g in zip(rows, gpus):
+            r.append(profile_cell(profiles, g["name"]))
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in [head] + rows]
     notes = []
@@ -114,6 +129,10 @@ def render_table(gpus: list[dict[str, Any]]) -> str:
                 notes.append(f"  {g['name']}: {key} unreadable: {why}")
         if g.get("od_error"):
             notes.append(f"  {g['name']}: {g['od_error']}")
+    for finding in profiles.get("findings") or ():
+        notes.append(f"  {finding}")
+    if profiles.get("safe_mode"):
+        notes.append(f"  profiles: SAFE MODE: {profiles['safe_mode']}")
     if not gpus:
         lines.append("(no GPUs found)")
     return "\n".join(lines + (["", "notes:"] + notes if notes else []))
@@ -127,14 +146,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return 2
-    gpus = None
+    doc = None
     if args.sysfs_root is None:
         api = args.api or f"http://{config.listen.address}:{config.listen.port}"
-        gpus = ask_daemon(api)
-    if gpus is None:
-        gpus = read_local(args.sysfs_root or config.sysfs_root, config)
+        doc = ask_daemon(api)
+    if doc is None:
+        doc = {"gpus": read_local(args.sysfs_root or config.sysfs_root, config)}
+    gpus = doc.get("gpus", [])
     if args.json:
-        print(json.dumps({"gpus": gpus}, indent=2, sort_keys=True))
+        print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        print(render_table(gpus))
+        print(render_table(gpus, doc.get("profiles")))
     return 0 if all(g["up"] for g in gpus) else 1

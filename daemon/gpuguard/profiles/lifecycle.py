@@ -143,11 +143,8 @@ class ProfileRuntime:
                                                         self.cfg.apply.effective_tolerance_ratio)
                 self.ledger.set_effective({g: (assigned[g][0], mhz) for g, mhz in observed.items()}, findings)
         self._set_view()
-        note = self.status_note()
-        if note:
-            from gpuguard.sinks.api import summary_line
-
-            self.daemon.notify.send(f"STATUS={summary_line(self.daemon.hub)}; {note}")
+        # systemd's STATUS= line (and /v1/status's summary) name unverified GPUs
+        self.daemon.hub.notes["profiles"] = self.status_note()
 
     def _check_drift(self, snap: Any) -> None:
         for g in snap.gpus:

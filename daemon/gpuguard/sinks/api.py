@@ -68,6 +68,9 @@ def status_document(hub: Hub) -> dict[str, Any]:
         "last_poll": dict(hub.last_poll),
         "gpus": gpus,
         "summary": summary_line(hub),
+        # per GPU: the profile, whether it read back equal, and the effective-clock
+        # findings ("profile applied but card runs at 1233 MHz", INCIDENTS §3)
+        "profiles": jsonable(hub.view("profiles") or {}),
     }
 
 
@@ -80,7 +83,8 @@ def summary_line(hub: Hub) -> str:
     line = f"{up}/{len(snap.gpus)} GPUs up"
     if down:
         line += f"; down: {', '.join(down)}"
-    return line
+    notes = [n for _, n in sorted(hub.notes.items()) if n]
+    return "; ".join([line] + notes)
 
 
 # -- request bodies ------------------------------------------------------------------------

@@ -62,6 +62,9 @@ class Hub:
         # GPUs (bdf) the kernel or udev declared lost: nothing writes to them until they
         # reappear (DESIGN safety rule).
         self.lost: set[str] = set()
+        # One short note per source for the one-line summary (systemd STATUS=, /v1/status):
+        # "profile unverified: xtx-0 (mismatch)", "engine stalled: sglang". Empty = nothing.
+        self.notes: dict[str, str] = {}
         self._queues: list[asyncio.Queue] = []
 
     # -- snapshots -------------------------------------------------------------------

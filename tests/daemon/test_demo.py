@@ -1,0 +1,82 @@
+"""`gpuguard demo` as a user runs it: a real process on a free port, scraped, then Ctrl-C.
+/metrics carries the telemetry of the simulated incident host in base units; Ctrl-C
+stops it cleanly (exit 0, no traceback, the simulated tree unmounted and removed)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(base: str) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=5).text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def v(m: dict, name: str, **labels) -> float:
+    return m[(name, tuple(sorted(labels.items())))]
+
+
+def test_demo_serves_telemetry_in_base_units_and_stops_on_ctrl_c(tmp_path, wait_for):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gpuguard", "demo", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops it" in line:
+                break
+        text = "".join(lines)
+        assert f"http://127.0.0.1:{port}/metrics" in text, text
+        root = next(l.split(" at ", 1)[1].strip() for l in lines if "simulated host 'incident' at" in l)
+        base = f"http://127.0.0.1:{port}"
+
+        def loaded():
+            m = scrape(base)
+            return m if m.get(("gpuguard_gpu_busy_ratio", (("gpu", "r9700-a"),)), 0) > 0.2 else None
+
+        m = wait_for(loaded, timeout=30, what="load on the demo host")
+        names = ("r9700-a", "r9700-b", "xtx-0", "xtx-1")
+        for gpu in names:
+            assert v(m, "gpuguard_gpu_up", gpu=gpu) == 1.0
+            cap = v(m, "gpuguard_gpu_power_cap_watts", gpu=gpu)
+            assert 200 <= cap <= 400  # watts, not microwatts
+            assert 0 < v(m, "gpuguard_gpu_power_watts", gpu=gpu) <= cap
+            for sensor in ("edge", "junction", "mem"):
+                assert 15 < v(m, "gpuguard_gpu_temperature_celsius", gpu=gpu, sensor=sensor) < 120  # °C
+            assert 1e7 < v(m, "gpuguard_gpu_clock_hertz", gpu=gpu, domain="mclk") < 5e9  # hertz
+            assert 20 * 2**30 < v(m, "gpuguard_gpu_vram_total_bytes", gpu=gpu) < 40 * 2**30  # bytes
+            assert 0 <= v(m, "gpuguard_gpu_busy_ratio", gpu=gpu) <= 1  # ratio, not percent
+            assert 0.3 < v(m, "gpuguard_gpu_voltage_volts", gpu=gpu, rail="vddgfx") < 1.5  # volts
+        # the R9700 has large BAR, the XTX the 256 MB BAR of INCIDENTS §5
+        assert v(m, "gpuguard_gpu_vram_visible_bytes", gpu="r9700-a") == v(m, "gpuguard_gpu_vram_total_bytes", gpu="r9700-a")
+        assert v(m, "gpuguard_gpu_vram_visible_bytes", gpu="xtx-0") == 256 * 2**20
+        fuse = not any("plain tree" in l for l in lines)
+        if fuse:  # the incident profiles were applied and read back before READY
+            assert v(m, "gpuguard_profile_verified", gpu="r9700-a", profile="psu-safe") == 1.0
+            assert v(m, "gpuguard_gpu_power_cap_watts", gpu="r9700-a") == 210.0
+            assert v(m, "gpuguard_gpu_od_setting", gpu="r9700-a", setting="sclk_offset_mhz") == -500
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        rest, _ = proc.communicate(timeout=30)
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
+    assert "gpuguard demo: stopped" in out
+    assert not os.path.exists(root)  # unmounted and the temporary folder removed
