@@ -61,7 +61,7 @@ def _group_members(pgid: int) -> set[int]:
     return out
 
 
-async def kill_engine(pids: tuple[int, ...], grace: float, *, poll: float = 0.05,
+async def kill_engine(pids: tuple[int, ...], grace: float, *, poll: float = 0.02,
                       after_sigkill: float = 5.0) -> KillResult:
     """SIGTERM the engine's process group (or each PID when the group is ours or init's:
     never signal gpuguard itself), wait up to `grace`, SIGKILL what is left, verify."""

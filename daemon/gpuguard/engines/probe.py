@@ -26,9 +26,19 @@ class ProbeResult:
 class EngineProbe:
     def __init__(self, adapter: Adapter) -> None:
         self.adapter = adapter
-        cfg = adapter.config
-        # One client per engine: a hung engine cannot exhaust another engine's pool.
-        self._client = httpx.AsyncClient(
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def _client(self) -> httpx.AsyncClient:
+        # Made lazily, in the running loop; one per engine so a hung engine cannot exhaust
+        # another engine's connection pool.
+        if self._http is None or self._http.is_closed:
+            self._http = self._new_client()
+        return self._http
+
+    def _new_client(self) -> httpx.AsyncClient:
+        cfg = self.adapter.config
+        return httpx.AsyncClient(
             base_url=cfg.url,
             timeout=httpx.Timeout(max(cfg.http_timeout, cfg.effective_health_timeout)),
             limits=httpx.Limits(max_connections=4, max_keepalive_connections=0),
@@ -36,7 +46,9 @@ class EngineProbe:
         )
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     async def _get(self, path: str, timeout: float) -> tuple[str, int | None, str, float]:
         """-> (outcome, status, body, seconds); outcome ok|timeout|refused|error."""
