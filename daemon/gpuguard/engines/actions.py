@@ -74,7 +74,7 @@ async def kill_engine(pids: tuple[int, ...], grace: float, *, poll: float = 0.02
     use_group = pgid is not None and pgid > 1 and pgid != own_pgid
     targets = set(pids)
     if use_group:
-        targets |= _group_members(pgid)
+        targets |= await asyncio.to_thread(_group_members, pgid)
     targets.discard(os.getpid())
 
     def send(sig: signal.Signals) -> None:

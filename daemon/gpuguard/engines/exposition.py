@@ -54,15 +54,23 @@ class Samples:
             raise ExpositionError(f"{source}: not Prometheus exposition text ({exc})") from None
         return cls(MappingProxyType({k: tuple(v) for k, v in table.items()}))
 
+    def _rows(self, name: str):
+        # prometheus_client's parser renames a counter's sample `x` (no suffix, as TGI and
+        # other non-Python exporters write it) to `x_total`; a selector for `x` finds either.
+        rows = self.by_name.get(name)
+        if rows is None and not name.endswith("_total"):
+            rows = self.by_name.get(name + "_total")
+        return rows or ()
+
     def has(self, sel: Selector) -> bool:
-        return any(_match(labels, sel) for labels, _ in self.by_name.get(sel.name, ()))
+        return any(_match(labels, sel) for labels, _ in self._rows(sel.name))
 
     def total(self, selectors: list[Selector] | tuple[Selector, ...]) -> float | None:
         """Sum of all samples matching any selector; None when none matched (absent, not 0)."""
         found = False
         acc = 0.0
         for sel in selectors:
-            for labels, value in self.by_name.get(sel.name, ()):
+            for labels, value in self._rows(sel.name):
                 if _match(labels, sel) and not math.isnan(value):
                     acc += value
                     found = True
