@@ -125,7 +125,8 @@ def main() -> int:
               f"detect->gone {r['detect_to_gone']:.3f} s  stall->gone {r['stall_to_gone']:.3f} s", flush=True)
     print(f"\n{args.runs} runs, stall_after {args.stall_after:g} s, poll {args.poll:g} s, grace {args.grace:g} s, "
           f"engine {'ignores' if args.ignore_sigterm else 'honours'} SIGTERM")
-    print(f"bound stall_after + poll + grace = {args.stall_after + args.poll + args.grace:.2f} s")
+    print(f"stall_after + poll + grace = {args.stall_after + args.poll + args.grace:.2f} s "
+          f"(+ http_timeout {args.http_timeout:g} s when the deciding poll waits out a wedged endpoint)")
     for key in ("stall_to_detect", "detect_to_gone", "stall_to_gone"):
         vals = [r[key] for r in results]
         print(f"{key:16s} median {statistics.median(vals):.3f} s   worst {max(vals):.3f} s")

@@ -126,6 +126,19 @@ def test_health_failing_for_unhealthy_after():
     assert v.state == "unhealthy" and v.reason == "health_failing" and not v.stalled
 
 
+def test_slow_health_while_progressing_is_not_unhealthy():
+    """SGLang's /health queues a 1-token generation behind the batch: a timeout there while
+    the heartbeat moves is not an unhealthy engine."""
+    tr = tracker(unhealthy_after=3.0)
+    ready_at(tr, 100.0, R(2, 0, hb=1))
+    for i in range(1, 10):
+        v = tr.observe(Observation(100.0 + i, 10, 0.0, "timeout", R(2, 0, hb=1 + i)))
+        assert v.state == "busy" and v.reason is None
+    for i in range(10, 14):  # progress stops too: now it is a stall (window 2 s)
+        v = tr.observe(Observation(100.0 + i, 10, 0.0, "timeout", R(2, 0, hb=10)))
+    assert v.stalled and v.reason == "heartbeat_flat"
+
+
 def test_step_multiple_window_with_floor_and_cap():
     tr = StallTracker(StallSettings(stall_after=60.0, step_multiple=4.0, floor=3.0))
     for i in range(10):  # one step per 0.5 s poll -> step 0.5 s -> 4 x 0.5 = 2 < floor 3

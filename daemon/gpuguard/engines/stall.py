@@ -10,7 +10,8 @@ Rules (ENGINES.md "How to detect a stall from outside", INCIDENTS §1, §8, §9)
   (llama-server's wedged main loop).
 - cpu_spin: the GPU-owning process pinned on CPU and the heartbeat flat for the window,
   whatever the gauges say (a wedged vLLM was seen reporting running = 0).
-- health_failing: health not ready for `unhealthy_after` (state `unhealthy`).
+- health_failing: health not ready for `unhealthy_after` with no heartbeat movement
+  meanwhile (state `unhealthy`).
 - While starting (a new PID whose health is not ready yet) all of that is off; time to
   ready is measured from the new PID's start time (§8)."""
 from __future__ import annotations
@@ -196,7 +197,10 @@ class StallTracker:
         elif (self._cpu_pinned_since is not None and t - self._cpu_pinned_since >= window
               and hb_flat_for >= window):
             reason = "cpu_spin"
-        elif self._health_bad_since is not None and t - self._health_bad_since >= self.s.unhealthy_after:
+        elif (self._health_bad_since is not None and t - self._health_bad_since >= self.s.unhealthy_after
+              and (self._hb_changed is None or self._hb_changed <= self._health_bad_since)):
+            # Progress proves the engine alive: SGLang's /health is a 1-token generation that
+            # can queue behind a large batch; only failing health with no step counts.
             reason = "health_failing"
 
         if reason == "health_failing":

@@ -126,7 +126,6 @@ class EngineWatchdog:
     # -- one poll ------------------------------------------------------------------------
     async def _poll(self, e: _Engine, now: float | None) -> None:
         cfg = e.cfg
-        now = self._clock() if now is None else now
         error = None
         try:
             procs = await asyncio.to_thread(resolve, cfg)
@@ -134,6 +133,9 @@ class EngineWatchdog:
             procs, error = None, str(exc)
         e.procs = procs
         probe = await e.probe.poll()
+        # The observation's time is when its answers were in (or given up on): a probe that
+        # waited out its timeout tells nothing about the moments before it gave up.
+        now = self._clock() if now is None else now
         if procs is None and probe.health == "ready" and error is None:
             m = cfg.process
             how = (f"systemd unit {m.systemd_unit}" if m.systemd_unit else
