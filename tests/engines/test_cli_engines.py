@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gpuguard.engines.watchdog import EngineWatchdog
 
-from engines_harness import engine_cfg, free_port, sim_env, wait_for
+from engines_harness import engine_cfg, free_port, sim_env
 
 
 def _cli(*args):

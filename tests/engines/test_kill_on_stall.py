@@ -8,7 +8,7 @@ import time
 
 from gpuguard.engines.watchdog import EngineWatchdog
 
-from engines_harness import alive, engine_cfg, run_watchdog_until, wait_for
+from engines_harness import alive, engine_cfg, run_watchdog_until
 
 STALL_AFTER, POLL, GRACE, HTTP_TIMEOUT = 2.0, 0.25, 1.0, 0.2
 # The poll that decides may wait out one HTTP timeout (a wedged /metrics); on top of that,

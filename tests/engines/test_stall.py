@@ -54,6 +54,15 @@ def test_flat_heartbeat_with_work_stalls_at_stall_after():
     assert v.evidence["running"] == 1 and v.evidence["heartbeat"] == 20
 
 
+def test_poll_jitter_does_not_cost_a_poll():
+    tr = tracker(jitter=0.05)
+    ready_at(tr, 100.0, R(1, 0, hb=1))
+    ready_at(tr, 100.5, R(1, 0, hb=2))
+    assert not ready_at(tr, 102.44, R(1, 0, hb=2)).stalled  # earlier than the jitter allows
+    v = ready_at(tr, 102.499, R(1, 0, hb=2))  # the 2.0 s tick, landed 1 ms early
+    assert v.stalled and v.reason == "heartbeat_flat"
+
+
 def test_waiting_only_with_flat_heartbeat_stalls():
     tr = tracker()
     ready_at(tr, 100.0, R(0, 0, hb=10))

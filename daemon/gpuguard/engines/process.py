@@ -92,7 +92,14 @@ def _pid_file(path: Path) -> int | None:
     if not text.isdigit():
         raise ProcessLookupFailed(f"pid file {path}: {text[:40]!r} is not a PID; fix or remove it")
     pid = int(text)
-    return pid if psutil.pid_exists(pid) else None
+    try:
+        started = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+    # A PID reused after the engine died started after its pid file was written: stale.
+    if started > path.stat().st_mtime + 2.0:
+        return None
+    return pid
 
 
 def _cmdline_text(p: psutil.Process) -> str:

@@ -34,11 +34,14 @@ class StallSettings:
     cpu_busy_ratio: float = 0.9
     unhealthy_after: float = 30.0
     ready_timeout: float = 900.0
+    # Polls land a few ms either side of their tick; without this a window that is a
+    # multiple of the poll interval would wait one extra poll about half the time.
+    jitter: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> "StallSettings":
         return cls(cfg.stall_after, cfg.stall_step_multiple, cfg.stall_floor, cfg.cpu_busy_ratio,
-                   cfg.unhealthy_after, cfg.ready_timeout)
+                   cfg.unhealthy_after, cfg.ready_timeout, jitter=0.1 * cfg.poll_interval)
 
 
 @dataclass(frozen=True)
@@ -189,13 +192,14 @@ class StallTracker:
         window = self.window()
         hb_flat_for = t - max(x for x in (self._hb_changed, self._running_since) if x is not None)
 
+        due = window - self.s.jitter
         reason = None
-        if pending and last is not None and last.heartbeat is not None and no_progress >= window:
+        if pending and last is not None and last.heartbeat is not None and no_progress >= due:
             reason = "heartbeat_flat"
-        elif o.health == "ready" and self._metrics_bad_since is not None and t - self._metrics_bad_since >= window:
+        elif o.health == "ready" and self._metrics_bad_since is not None and t - self._metrics_bad_since >= due:
             reason = "metrics_unanswered"
-        elif (self._cpu_pinned_since is not None and t - self._cpu_pinned_since >= window
-              and hb_flat_for >= window):
+        elif (self._cpu_pinned_since is not None and t - self._cpu_pinned_since >= due
+              and hb_flat_for >= due):
             reason = "cpu_spin"
         elif (self._health_bad_since is not None and t - self._health_bad_since >= self.s.unhealthy_after
               and (self._hb_changed is None or self._hb_changed <= self._health_bad_since)):

@@ -25,6 +25,7 @@ from gpuguard.state.events import Event
 
 log = logging.getLogger("gpuguard.engines")
 SOURCE = "engines"
+RESOLVE_TIMEOUT = 5.0
 
 
 @dataclass
@@ -128,9 +129,14 @@ class EngineWatchdog:
         cfg = e.cfg
         error = None
         try:
-            procs = await asyncio.to_thread(resolve, cfg)
+            # /proc reads of a process stuck in D state can block: bounded, in a thread.
+            procs = await asyncio.wait_for(asyncio.to_thread(resolve, cfg), RESOLVE_TIMEOUT)
         except ProcessLookupFailed as exc:
             procs, error = None, str(exc)
+        except asyncio.TimeoutError:
+            procs = e.procs  # keep the last known processes rather than declare it down
+            error = (f"process lookup took over {RESOLVE_TIMEOUT:g} s (a process in D state?); "
+                     "using the last known PIDs")
         e.procs = procs
         probe = await e.probe.poll()
         # The observation's time is when its answers were in (or given up on): a probe that

@@ -38,7 +38,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from gpuguard.sim.engines_core import Core, SGLANG_ITL_BUCKETS, run_core_process, set_process_name
+from gpuguard.sim.engines_core import Core, run_core_process, set_process_name
 
 KINDS = ("vllm", "sglang", "llamacpp")
 CORE_TITLES = {"vllm": "VLLM::EngineCore", "sglang": "sglang::scheduler"}
