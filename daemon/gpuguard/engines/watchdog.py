@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
@@ -158,6 +158,8 @@ class EngineWatchdog:
             prev = e.snapshot
             e.snapshot = self._snapshot(e, v, probe, procs, now, error)
             await self._transitions(e, prev, v, probe, procs, now)
+            if e.snapshot.last_action != e.last_action:  # an action taken in this poll
+                e.snapshot = replace(e.snapshot, last_action=e.last_action)
         if e.last_cache_scan is None or now - e.last_cache_scan >= cfg.cache_scan_interval:
             await self._scan_caches(e, now)
 
