@@ -78,10 +78,23 @@ class SimEngine:
             return []
 
     def stop(self) -> None:
+        # The engine under the Restart= stand-in runs in its own session: kill every group
+        # in the tree, not just the top one, or the engine outlives the test.
+        groups = [self.pid]  # the supervisor's first: it stops respawning
         try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            for child in psutil.Process(self.pid).children(recursive=True):
+                try:
+                    if (g := os.getpgid(child.pid)) not in groups:
+                        groups.append(g)
+                except ProcessLookupError:
+                    pass
+        except psutil.NoSuchProcess:
             pass
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             self.proc.wait(timeout=5)
         except (subprocess.TimeoutExpired, ChildProcessError):

@@ -54,7 +54,7 @@ def test_stalled_vllm_killed_with_engine_core(sims):
     rec = audit[0]
     assert rec["what"] == "kill" and rec["who"] == "policy" and rec["why"] == "heartbeat_flat"
     ev = rec["evidence"]
-    assert ev["running"] == 2 and ev["no_progress_seconds"] >= STALL_AFTER
+    assert ev["running"] == 2 and ev["no_progress_seconds"] >= STALL_AFTER - 0.1 * POLL  # poll jitter tolerance
     assert ev["health"] == "ready"  # the vLLM blind spot: /health 200 while the core is hung
     assert ev["gpu_pid"] == pids[1] and ev["gpu_pid"] != pids[0]  # CPU read from the EngineCore
     assert set(rec["result"]["pids"]) >= set(pids) and rec["result"]["gone"]

@@ -135,7 +135,7 @@ def test_real_llama_server_frozen_midgeneration_is_killed(llama):
     assert res["escalated"] and res["gone"] and res["survivors"] == []
     assert [s.split()[0] for s in res["signals"]] == ["SIGTERM", "SIGKILL"]
     ev = rec["evidence"]
-    assert ev["running"] == 1 and ev["no_progress_seconds"] >= STALL_AFTER
+    assert ev["running"] == 1 and ev["no_progress_seconds"] >= STALL_AFTER - 0.1 * POLL  # poll jitter tolerance
     assert ev["health"] == "timeout" and ev["metrics_error"] == "timeout"  # a frozen process answers nothing
     assert ev["gpu_process_state"] == "T"  # stopped, from /proc
     assert ev["gpu_pid"] == proc.pid

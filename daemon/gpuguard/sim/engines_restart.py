@@ -6,11 +6,20 @@ own session (as a unit's cgroup), until SIGTERM.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+
+
+def _die_with_parent() -> None:
+    """A test stand-in must not leak engines: the child dies if this supervisor does."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     while True:
-        proc = subprocess.Popen(cmd, start_new_session=True)
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
         child[:] = [proc]
         proc.wait()
         time.sleep(a.restart_sec)
