@@ -101,13 +101,14 @@ def test_real_long_generation_is_progress_not_stall(llama):
         await run_watchdog_until(wd, lambda: watch() or time.monotonic() > t_end, 20)
 
     asyncio.run(scenario())
-    assert audit == [] and not [e for e in events if e.kind in ("engine_stalled", "engine_killed")]
+    assert audit == [] and not [e for e in events if e.kind in ("engine_stalled", "engine_killed")], \
+        [e.message for e in events]
     assert len(seen) >= 8, [s.state for s in seen]
     first, last = seen[0], seen[-1]
     assert last.generated_tokens_total == first.generated_tokens_total  # tokens_predicted_total flat
-    assert last.heartbeat - first.heartbeat > 20  # n_decode_total climbs (~90/s unloaded)
-    assert all(not s.stalled for s in seen) and last.no_progress_seconds < STALL_AFTER
-    assert last.pid == proc.pid and last.tokens_per_second > 1
+    assert last.heartbeat - first.heartbeat > 20, (first, last)  # n_decode_total climbs (~90/s unloaded)
+    assert all(not s.stalled for s in seen) and last.no_progress_seconds < STALL_AFTER, last
+    assert last.pid == proc.pid and last.tokens_per_second > 1, last
     assert alive(proc.pid)
 
 
