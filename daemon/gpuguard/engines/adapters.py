@@ -1,0 +1,137 @@
+"""Per-kind knowledge of an engine's own endpoints (ENGINES.md): which /metrics series are
+running, waiting, the per-step heartbeat, real-time tokens, decode and prefill progress,
+and what a /health answer means. Pure: text and status codes in, `EngineReading` out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gpuguard.engines.config import EngineConfig
+from gpuguard.engines.exposition import Samples, Selector
+
+Health = Literal["ready", "starting", "failed", "timeout", "refused", "error"]
+NOT_ANSWERING = ("timeout", "refused", "error")
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """What one /metrics scrape says. None = the engine does not export it."""
+
+    running: float | None
+    waiting: float | None
+    heartbeat: float | None
+    tokens: float | None
+    decode: float | None
+    prefill: float | None
+
+    @property
+    def pending(self) -> bool | None:
+        if self.running is None and self.waiting is None:
+            return None
+        return (self.running or 0) > 0 or (self.waiting or 0) > 0
+
+
+@dataclass(frozen=True)
+class MetricMap:
+    running: tuple[Selector, ...]
+    waiting: tuple[Selector, ...]
+    heartbeat: tuple[Selector, ...]
+    tokens: tuple[Selector, ...]
+    decode: tuple[Selector, ...] = ()
+    prefill: tuple[Selector, ...] = ()
+    # Used only when no heartbeat series is present (older engine versions); each must
+    # still move every step. Completion-time counters never appear here.
+    heartbeat_fallback: tuple[Selector, ...] = ()
+
+
+def _sel(*texts: str) -> tuple[Selector, ...]:
+    return tuple(Selector.parse(t) for t in texts)
+
+
+METRIC_MAPS: dict[str, MetricMap] = {
+    # vLLM V1: iteration_tokens_total is a histogram whose _count is the number of engine
+    # steps; generation_tokens_total is credited every step (real-time tokens).
+    "vllm": MetricMap(
+        running=_sel("vllm:num_requests_running"),
+        waiting=_sel("vllm:num_requests_waiting"),
+        heartbeat=_sel("vllm:iteration_tokens_total_count"),
+        tokens=_sel("vllm:generation_tokens_total"),
+        decode=_sel("vllm:generation_tokens_total"),
+        prefill=_sel("vllm:prompt_tokens_total"),
+        heartbeat_fallback=_sel("vllm:generation_tokens_total", "vllm:prompt_tokens_total"),
+    ),
+    # SGLang: realtime_tokens_total{mode=decode|prefill_compute} moves every iteration;
+    # generation_tokens_total only when a request finishes, and the gauges freeze in a stall.
+    "sglang": MetricMap(
+        running=_sel("sglang:num_running_reqs"),
+        waiting=_sel("sglang:num_queue_reqs"),
+        heartbeat=_sel('sglang:realtime_tokens_total{mode="decode"}',
+                       'sglang:realtime_tokens_total{mode="prefill_compute"}'),
+        tokens=_sel('sglang:realtime_tokens_total{mode="decode"}'),
+        decode=_sel('sglang:realtime_tokens_total{mode="decode"}'),
+        prefill=_sel('sglang:realtime_tokens_total{mode="prefill_compute"}'),
+    ),
+    # llama-server: n_decode_total is +1 per llama_decode(); tokens_predicted_total is only
+    # credited when a slot is released (flat during a long generation). It is exported as
+    # "tokens as reported" and never used as the heartbeat.
+    "llamacpp": MetricMap(
+        running=_sel("llamacpp:requests_processing"),
+        waiting=_sel("llamacpp:requests_deferred"),
+        heartbeat=_sel("llamacpp:n_decode_total"),
+        tokens=_sel("llamacpp:tokens_predicted_total"),
+    ),
+}
+
+HEALTH_PATHS = {"vllm": "/health", "sglang": "/health", "llamacpp": "/health", "generic": "/health"}
+
+# Which counter gives tokens/s: real-time where the engine has one, else steps/s.
+RATE_SOURCE = {"vllm": "tokens", "sglang": "tokens", "llamacpp": "heartbeat", "generic": "tokens"}
+
+
+class Adapter:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        base = METRIC_MAPS.get(config.kind)
+        over = config.metrics
+        if over is not None:
+            pick = lambda field, dflt: _sel(*getattr(over, field)) if getattr(over, field) else dflt  # noqa: E731
+            base = MetricMap(
+                running=pick("running", base.running if base else ()),
+                waiting=pick("waiting", base.waiting if base else ()),
+                heartbeat=pick("heartbeat", base.heartbeat if base else ()),
+                tokens=pick("tokens", base.tokens if base else ()),
+                decode=pick("decode", base.decode if base else ()),
+                prefill=pick("prefill", base.prefill if base else ()),
+                heartbeat_fallback=() if over.heartbeat else (base.heartbeat_fallback if base else ()),
+            )
+        assert base is not None  # generic without metrics is refused by the config
+        self.map = base
+        self.health_path = config.health_path or HEALTH_PATHS[config.kind]
+        self.separates_decode = bool(base.decode) and bool(base.prefill)
+        self.rate_source = RATE_SOURCE[config.kind]
+
+    def read(self, samples: Samples) -> EngineReading:
+        m = self.map
+        heartbeat = samples.total(m.heartbeat)
+        if heartbeat is None and m.heartbeat_fallback:
+            heartbeat = samples.total(m.heartbeat_fallback)
+        return EngineReading(
+            running=samples.total(m.running),
+            waiting=samples.total(m.waiting),
+            heartbeat=heartbeat,
+            tokens=samples.total(m.tokens),
+            decode=samples.total(m.decode) if m.decode else None,
+            prefill=samples.total(m.prefill) if m.prefill else None,
+        )
+
+    def health(self, status: int, body: str) -> Health:
+        """Interpret an HTTP answer of the health endpoint."""
+        if status == 200:
+            return "ready"
+        kind = self.config.kind
+        if status == 503 and kind == "llamacpp" and "Loading model" in body:
+            return "starting"
+        if status == 503 and kind == "sglang":
+            # Starting and stuck look alike (503); the watchdog's phase tells them apart.
+            return "failed"
+        return "failed"

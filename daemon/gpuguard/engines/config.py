@@ -1,0 +1,148 @@
+"""The `engines:` config list: one `EngineConfig` per watched inference engine (pydantic v2,
+unknown keys refused). Owns defaults and cross-field checks; the integrator hangs
+`EnginesConfig.engines` under the root config."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+KINDS = ("vllm", "sglang", "llamacpp", "generic")
+Kind = Literal["vllm", "sglang", "llamacpp", "generic"]
+Action = Literal["alert", "kill", "restart"]
+
+# The process that owns the GPU, per kind (ENGINES.md "/proc evidence"): the API server of
+# vLLM and SGLang stays idle and healthy while the engine core spins, so CPU is read here.
+DEFAULT_GPU_PROCESS = {
+    "vllm": r"EngineCore|VLLM::Engine",
+    "sglang": r"sglang::scheduler|scheduler",
+    "llamacpp": None,  # llama-server is one process: the main PID is the GPU owner
+    "generic": None,
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProcessMatch(_Strict):
+    """How to find the engine's main process; resolved to a PID every cycle, never cached."""
+
+    systemd_unit: str | None = None
+    pid_file: Path | None = None
+    cmdline: str | None = Field(None, description="regex searched in the space-joined command line")
+    gpu_process: str | None = Field(
+        None, description="regex (name or command line) of the descendant that owns the GPU; "
+        "default per kind, else the main process")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ProcessMatch":
+        given = [k for k in ("systemd_unit", "pid_file", "cmdline") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("process: give exactly one of systemd_unit, pid_file, cmdline "
+                             f"(got {', '.join(given) or 'none'})")
+        for key in ("cmdline", "gpu_process"):
+            pattern = getattr(self, key)
+            if pattern:
+                try:
+                    re.compile(pattern)
+                except re.error as exc:
+                    raise ValueError(f"process.{key}: invalid regex {pattern!r}: {exc}") from None
+        return self
+
+
+class GenericMetrics(_Strict):
+    """Metric selectors for `kind: generic` (and overrides for the others): PromQL-style
+    `name{label="value"}`, each list summed. `heartbeat` must move every engine step."""
+
+    running: list[str] = []
+    waiting: list[str] = []
+    heartbeat: list[str] = []
+    tokens: list[str] = []
+    decode: list[str] = []
+    prefill: list[str] = []
+
+
+class CacheFolder(_Strict):
+    name: str
+    path: Path
+
+
+class RestartLoop(_Strict):
+    """INCIDENTS §7: N starts within `window` seconds is a restart loop."""
+
+    count: int = Field(3, ge=2)
+    window: float = Field(900.0, gt=0)
+    quarantine: bool = False
+
+
+class EngineConfig(_Strict):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$")
+    kind: Kind
+    url: str = Field(..., description="base URL, e.g. http://127.0.0.1:8000")
+    process: ProcessMatch
+    gpus: list[str] = []
+    health_path: str | None = None
+    metrics_path: str = "/metrics"
+    metrics: GenericMetrics | None = None
+
+    poll_interval: float = Field(2.0, gt=0)
+    http_timeout: float = Field(2.0, gt=0)
+    health_timeout: float | None = Field(None, gt=0)
+
+    stall_after: float = Field(60.0, gt=0)
+    stall_step_multiple: float | None = Field(None, gt=0)
+    stall_floor: float = Field(5.0, gt=0)
+    cpu_busy_ratio: float = Field(0.9, gt=0, description="fraction of one core that counts as pinned")
+    unhealthy_after: float = Field(30.0, gt=0)
+    ready_timeout: float = Field(900.0, gt=0)
+
+    action: Action = "alert"
+    act_on_unhealthy: bool = True
+    grace: float = Field(10.0, ge=0)
+    restart_command: list[str] | None = None
+
+    caches: list[CacheFolder] = []
+    cache_scan_interval: float = Field(60.0, gt=0)
+    restart_loop: RestartLoop = RestartLoop()
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/]+", v):
+            raise ValueError(f"url {v!r} must look like http://HOST:PORT")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _checks(self) -> "EngineConfig":
+        if self.kind == "generic" and not (self.metrics and self.metrics.heartbeat):
+            raise ValueError("kind generic needs metrics.heartbeat (a counter that moves every step)")
+        if self.action == "restart" and not (self.process.systemd_unit or self.restart_command):
+            # Without a unit or a command, "restart" is kill + the service manager's Restart=.
+            pass
+        names = [c.name for c in self.caches]
+        if len(set(names)) != len(names):
+            raise ValueError("caches: names must be unique")
+        return self
+
+    @property
+    def effective_health_timeout(self) -> float:
+        return self.health_timeout or self.http_timeout
+
+    @property
+    def gpu_process_pattern(self) -> str | None:
+        return self.process.gpu_process or DEFAULT_GPU_PROCESS[self.kind]
+
+
+class EnginesConfig(_Strict):
+    engines: list[EngineConfig] = []
+
+    @model_validator(mode="after")
+    def _unique(self) -> "EnginesConfig":
+        names = [e.name for e in self.engines]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"engines: duplicate name(s) {sorted(dup)}")
+        return self

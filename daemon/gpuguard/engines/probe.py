@@ -1,0 +1,89 @@
+"""One poll of an engine's HTTP endpoints: /health and /metrics fetched concurrently, each
+bounded by its own wall-clock timeout. An engine that accepts and never answers yields
+`timeout` evidence here; it never holds up the caller longer than the timeout."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from gpuguard.engines.adapters import Adapter, EngineReading, Health
+from gpuguard.engines.exposition import ExpositionError, Samples
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    health: Health
+    health_detail: str
+    health_seconds: float
+    reading: EngineReading | None
+    metrics_error: str | None  # None, "timeout", "refused", "http 503", "garbage: ..."
+    metrics_seconds: float
+
+
+class EngineProbe:
+    def __init__(self, adapter: Adapter) -> None:
+        self.adapter = adapter
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def _client(self) -> httpx.AsyncClient:
+        # Made lazily, in the running loop; one per engine so a hung engine cannot exhaust
+        # another engine's connection pool.
+        if self._http is None or self._http.is_closed:
+            self._http = self._new_client()
+        return self._http
+
+    def _new_client(self) -> httpx.AsyncClient:
+        cfg = self.adapter.config
+        return httpx.AsyncClient(
+            base_url=cfg.url,
+            timeout=httpx.Timeout(max(cfg.http_timeout, cfg.effective_health_timeout)),
+            limits=httpx.Limits(max_connections=4, max_keepalive_connections=0),
+            trust_env=False,
+        )
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def _get(self, path: str, timeout: float) -> tuple[str, int | None, str, float]:
+        """-> (outcome, status, body, seconds); outcome ok|timeout|refused|error."""
+        t0 = time.monotonic()
+        try:
+            # wait_for bounds the whole exchange: httpx's timeouts are per phase.
+            resp = await asyncio.wait_for(self._client.get(path), timeout)
+            return "ok", resp.status_code, resp.text, time.monotonic() - t0
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            return "timeout", None, f"no answer within {timeout:g} s", time.monotonic() - t0
+        except httpx.ConnectError as exc:
+            return "refused", None, f"connect failed: {exc}", time.monotonic() - t0
+        except httpx.HTTPError as exc:
+            return "error", None, f"{type(exc).__name__}: {exc}", time.monotonic() - t0
+
+    async def health(self) -> tuple[Health, str, float]:
+        cfg = self.adapter.config
+        outcome, status, body, secs = await self._get(self.adapter.health_path, cfg.effective_health_timeout)
+        if outcome != "ok":
+            return outcome, body, secs  # type: ignore[return-value]
+        return self.adapter.health(status or 0, body), f"HTTP {status}", secs
+
+    async def metrics(self) -> tuple[EngineReading | None, str | None, float]:
+        cfg = self.adapter.config
+        outcome, status, body, secs = await self._get(cfg.metrics_path, cfg.http_timeout)
+        if outcome != "ok":
+            return None, outcome, secs
+        if status != 200:
+            return None, f"http {status}", secs
+        try:
+            samples = Samples.parse(body, f"{cfg.url}{cfg.metrics_path}")
+        except ExpositionError as exc:
+            return None, f"garbage: {exc}", secs
+        return self.adapter.read(samples), None, secs
+
+    async def poll(self) -> ProbeResult:
+        (h, detail, hs), (reading, err, ms) = await asyncio.gather(self.health(), self.metrics())
+        return ProbeResult(h, detail, hs, reading, err, ms)

@@ -1,0 +1,368 @@
+"""The engine watchdog: one async loop per configured engine (so a hung engine delays only
+itself), each poll resolving the PID afresh, probing /health and /metrics with short
+timeouts, feeding the stall state machine, publishing an immutable `EngineSnapshot`, and
+acting by policy (alert / kill / restart), every action audited and raised as an Event.
+Also the hooks the kernel-event code calls when an engine's GPU hangs or resets."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
+from gpuguard.engines.adapters import Adapter
+from gpuguard.engines.caches import CacheError, CacheScan, quarantine, scan_zero_byte
+from gpuguard.engines.config import EngineConfig
+from gpuguard.engines.probe import EngineProbe, ProbeResult
+from gpuguard.engines.process import EngineProcesses, ProcessLookupFailed, resolve
+from gpuguard.engines.restarts import RestartLedger
+from gpuguard.engines.snapshot import EngineSnapshot
+from gpuguard.engines.stall import Observation, StallSettings, StallTracker, Verdict
+from gpuguard.state.events import Event
+
+log = logging.getLogger("gpuguard.engines")
+SOURCE = "engines"
+RESOLVE_TIMEOUT = 5.0
+
+
+@dataclass
+class _Engine:
+    cfg: EngineConfig
+    adapter: Adapter
+    probe: EngineProbe
+    tracker: StallTracker
+    ledger: RestartLedger
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    snapshot: EngineSnapshot | None = None
+    last_action: str | None = None
+    episode: str | None = None  # reason of the stall/unhealthy episode already handled
+    polls: int = 0
+    last_cache_scan: float | None = None
+    procs: EngineProcesses | None = None
+
+
+class EngineWatchdog:
+    def __init__(self, configs: Sequence[EngineConfig], audit: Callable[[dict], None],
+                 publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time) -> None:
+        self._audit_sink = audit
+        self._publish_sink = publish
+        self._clock = clock
+        self._engines: dict[str, _Engine] = {}
+        self._actions: Counter[tuple[str, str, str]] = Counter()
+        self._cache_scans: dict[str, CacheScan] = {}
+        self._cache_owner: dict[str, str] = {}
+        for cfg in configs:
+            if cfg.name in self._engines:
+                raise ValueError(f"engines: duplicate name {cfg.name!r}")
+            for cache in cfg.caches:
+                if cache.name in self._cache_owner:
+                    raise ValueError(f"engines.{cfg.name}.caches: name {cache.name!r} already used by "
+                                     f"engine {self._cache_owner[cache.name]!r}; cache names are metric labels")
+                self._cache_owner[cache.name] = cfg.name
+            adapter = Adapter(cfg)
+            self._engines[cfg.name] = _Engine(
+                cfg=cfg, adapter=adapter, probe=EngineProbe(adapter),
+                tracker=StallTracker(StallSettings.from_config(cfg), separates_decode=adapter.separates_decode,
+                                     rate_source=adapter.rate_source),
+                ledger=RestartLedger(cfg.restart_loop.count, cfg.restart_loop.window))
+
+    # -- public read side ----------------------------------------------------------------
+    def snapshots(self) -> dict[str, EngineSnapshot]:
+        return {name: e.snapshot for name, e in self._engines.items() if e.snapshot is not None}
+
+    def actions_total(self) -> dict[tuple[str, str, str], int]:
+        """(engine, action, reason) -> count, for gpuguard_engine_actions_total."""
+        return dict(self._actions)
+
+    def cache_zero_byte_files(self, cache: str) -> int | None:
+        """Zero-byte files in the named cache at the last scan; None if never scanned or absent."""
+        scan = self._cache_scans.get(cache)
+        return scan.zero_byte_files if scan is not None and scan.exists else None
+
+    def cache_scans(self) -> dict[str, CacheScan]:
+        return dict(self._cache_scans)
+
+    # -- loops ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Poll every engine on its own cadence until cancelled."""
+        tasks = [asyncio.create_task(self._engine_loop(e), name=f"engine:{e.cfg.name}")
+                 for e in self._engines.values()]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        for e in self._engines.values():
+            await e.probe.aclose()
+
+    async def poll_once(self, now: float | None = None) -> dict[str, EngineSnapshot]:
+        """One poll of every engine, concurrently; returns the new snapshots."""
+        await asyncio.gather(*(self._poll(e, now) for e in self._engines.values()))
+        return self.snapshots()
+
+    async def _engine_loop(self, e: _Engine) -> None:
+        interval = e.cfg.poll_interval
+        next_at = time.monotonic()
+        while True:
+            try:
+                await self._poll(e, None)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - one bad poll must not end the watch
+                log.exception("engine %s: poll failed", e.cfg.name)
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay < 0:  # a slow poll (timeouts, a kill) skips ticks rather than bunching them
+                next_at = time.monotonic()
+                delay = 0
+            await asyncio.sleep(delay)
+
+    # -- one poll ------------------------------------------------------------------------
+    async def _poll(self, e: _Engine, now: float | None) -> None:
+        cfg = e.cfg
+        error = None
+        try:
+            # /proc reads of a process stuck in D state can block: bounded, in a thread.
+            procs = await asyncio.wait_for(asyncio.to_thread(resolve, cfg), RESOLVE_TIMEOUT)
+        except ProcessLookupFailed as exc:
+            procs, error = None, str(exc)
+        except asyncio.TimeoutError:
+            procs = e.procs  # keep the last known processes rather than declare it down
+            error = (f"process lookup took over {RESOLVE_TIMEOUT:g} s (a process in D state?); "
+                     "using the last known PIDs")
+        e.procs = procs
+        probe = await e.probe.poll()
+        # The observation's time is when its answers were in (or given up on): a probe that
+        # waited out its timeout tells nothing about the moments before it gave up.
+        now = self._clock() if now is None else now
+        if procs is None and probe.health == "ready" and error is None:
+            m = cfg.process
+            how = (f"systemd unit {m.systemd_unit}" if m.systemd_unit else
+                   f"pid file {m.pid_file}" if m.pid_file else f"cmdline /{m.cmdline}/")
+            error = f"{cfg.url} answers but no process was found by {how}; check engines.{cfg.name}.process"
+        obs = Observation(
+            time=now, pid=procs.main_pid if procs else None, pid_start=procs.main_start if procs else None,
+            health=probe.health if procs else None, reading=probe.reading if procs else None,
+            metrics_error=probe.metrics_error if procs else None,
+            cpu_seconds=procs.gpu_stat.cpu_seconds if procs else None)
+        async with e.lock:
+            v = e.tracker.observe(obs)
+            e.polls += 1
+            prev = e.snapshot
+            e.snapshot = self._snapshot(e, v, probe, procs, now, error)
+            await self._transitions(e, prev, v, probe, procs, now)
+            if e.snapshot.last_action != e.last_action:  # an action taken in this poll
+                e.snapshot = replace(e.snapshot, last_action=e.last_action)
+        if e.last_cache_scan is None or now - e.last_cache_scan >= cfg.cache_scan_interval:
+            await self._scan_caches(e, now)
+
+    def _snapshot(self, e: _Engine, v: Verdict, probe: ProbeResult, procs: EngineProcesses | None,
+                  now: float, error: str | None) -> EngineSnapshot:
+        r = v.reading
+        ev = dict(v.evidence)
+        if procs is not None:
+            ev.update(pids=list(procs.pids), gpu_pid=procs.gpu_pid, gpu_process_state=procs.gpu_stat.state)
+            if procs.note:
+                ev["process_note"] = procs.note
+        ev["health_detail"] = probe.health_detail
+        return EngineSnapshot(
+            name=e.cfg.name, kind=e.cfg.kind, state=v.state, pid=procs.main_pid if procs else None,
+            requests_running=r.running if r else None, requests_waiting=r.waiting if r else None,
+            generated_tokens_total=r.tokens if r else None, heartbeat=r.heartbeat if r else None,
+            tokens_per_second=v.tokens_per_second, no_progress_seconds=v.no_progress_seconds,
+            decode_gap_seconds=v.decode_gap_seconds, stalled=v.stalled, cpu_percent=v.cpu_percent,
+            last_action=e.last_action, time_to_ready_seconds=v.time_to_ready, url=e.cfg.url,
+            gpus=tuple(e.cfg.gpus), gpu_pid=procs.gpu_pid if procs else None, reason=v.reason,
+            health=probe.health if procs else None, metrics_error=probe.metrics_error if procs else None,
+            stall_window_seconds=v.stall_window, polled_at=now, polls=e.polls, error=error, evidence=ev)
+
+    async def _transitions(self, e: _Engine, prev: EngineSnapshot | None, v: Verdict, probe: ProbeResult,
+                           procs: EngineProcesses | None, now: float) -> None:
+        cfg = e.cfg
+        if v.new_pid and procs is not None:
+            self._event(e, "engine_started", "info", f"engine {cfg.name} started as PID {procs.main_pid}",
+                        pid=procs.main_pid)
+            if e.ledger.record_start(procs.main_start or now):
+                await self._restart_loop(e, now)
+        if v.became_ready:
+            ttr = v.time_to_ready
+            self._event(e, "engine_ready", "info",
+                        f"engine {cfg.name} ready" + (f" {ttr:.1f} s after PID start" if ttr is not None else ""),
+                        time_to_ready_seconds=ttr)
+        if v.state == "down" and prev is not None and prev.state != "down":
+            self._event(e, "engine_down", "warning", f"engine {cfg.name}: no process", last_state=prev.state)
+        if v.state in ("stalled", "unhealthy") and v.reason:
+            if e.episode != v.reason:
+                e.episode = v.reason
+                await self._on_bad(e, v, procs, now)
+        elif v.state not in ("stalled", "unhealthy"):
+            if e.episode is not None and v.state in ("busy", "idle"):
+                self._event(e, "engine_recovered", "info", f"engine {cfg.name} progressing again")
+            e.episode = None
+
+    async def _on_bad(self, e: _Engine, v: Verdict, procs: EngineProcesses | None, now: float) -> None:
+        cfg = e.cfg
+        kind = "engine_stalled" if v.state == "stalled" else "engine_unhealthy"
+        evidence = dict(e.snapshot.evidence) if e.snapshot else dict(v.evidence)
+        msg = (f"engine {cfg.name} {v.state}: {v.reason} (no progress {v.no_progress_seconds:.1f} s, "
+               f"window {v.stall_window:.1f} s, running {evidence.get('running')}, "
+               f"waiting {evidence.get('waiting')}, cpu {evidence.get('cpu_percent')} %)")
+        self._event(e, kind, "alert", msg, reason=v.reason, evidence=evidence)
+        action = cfg.action
+        if v.state == "unhealthy" and not cfg.act_on_unhealthy:
+            action = "alert"
+        if action == "alert" or procs is None:
+            e.last_action = f"alert ({v.reason})"
+            return
+        if action == "kill":
+            await self._kill(e, procs, v.reason or "stalled", evidence, now)
+        else:
+            await self._restart(e, procs, v.reason or "stalled", evidence, now)
+
+    # -- actions -------------------------------------------------------------------------
+    async def _kill(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float,
+                    who: str = "policy") -> KillResult:
+        cfg = e.cfg
+        result = await kill_engine(procs.pids, cfg.grace)
+        self._actions[(cfg.name, "kill", reason)] += 1
+        e.last_action = f"kill ({reason})"
+        self._audit(e, "kill", reason, who, evidence, result.to_dict(), now)
+        sev = "critical" if not result.gone else "alert"
+        how = "SIGTERM then SIGKILL" if result.escalated else "SIGTERM"
+        self._event(e, "engine_killed", sev,
+                    f"engine {cfg.name} killed ({reason}) with {how} in {result.seconds:.2f} s"
+                    + ("" if result.gone else f"; STILL ALIVE: {list(result.survivors)}"),
+                    reason=reason, result=result.to_dict())
+        return result
+
+    async def _restart(self, e: _Engine, procs: EngineProcesses | None, reason: str, evidence: dict,
+                       now: float, who: str = "policy") -> dict:
+        cfg = e.cfg
+        argv = restart_argv(cfg.process.systemd_unit, cfg.restart_command)
+        out: dict[str, Any] = {}
+        if argv is None:
+            # No unit, no command: kill and let the service manager's Restart= bring it back.
+            if procs is not None:
+                out["kill"] = (await kill_engine(procs.pids, cfg.grace)).to_dict()
+            out["restart"] = "left to the service manager (Restart=)"
+        else:
+            res: CommandResult = await run_command(argv)
+            out["command"] = res.to_dict()
+        e.tracker.mark_starting()
+        self._actions[(cfg.name, "restart", reason)] += 1
+        e.last_action = f"restart ({reason})"
+        self._audit(e, "restart", reason, who, evidence, out, now)
+        failed = "command" in out and out["command"]["returncode"] != 0
+        self._event(e, "engine_restarted", "critical" if failed else "alert",
+                    f"engine {cfg.name} restarted ({reason})" + (" — restart command FAILED" if failed else ""),
+                    reason=reason, result=out)
+        return out
+
+    def _engines_on_gpu(self, gpu_name: str) -> list[_Engine]:
+        return [e for e in self._engines.values() if gpu_name in e.cfg.gpus]
+
+    async def kill_engines_on_gpu(self, gpu_name: str, reason: str, evidence: dict | None = None) -> dict[str, dict]:
+        """Kernel hook: gpu_hang / sq_interrupt / device_lost on `gpu_name` kills every engine
+        using that GPU at once, whatever its configured action. -> {engine: kill result}."""
+        out: dict[str, dict] = {}
+        now = self._clock()
+
+        async def one(e: _Engine) -> None:
+            async with e.lock:
+                procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
+                if procs is None:
+                    out[e.cfg.name] = {"gone": True, "note": "no process running"}
+                    return
+                ev = {"gpu": gpu_name, "kernel": dict(evidence or {}),
+                      "snapshot": dict(e.snapshot.evidence) if e.snapshot else {}}
+                res = await self._kill(e, procs, reason, ev, now)
+                out[e.cfg.name] = res.to_dict()
+
+        await asyncio.gather(*(one(e) for e in self._engines_on_gpu(gpu_name)))
+        return out
+
+    async def restart_engines_on_gpu(self, gpu_name: str, reason: str) -> dict[str, dict]:
+        """After a GPU reset: restart every engine on `gpu_name` (unit/command, else Restart=)."""
+        out: dict[str, dict] = {}
+        now = self._clock()
+
+        async def one(e: _Engine) -> None:
+            async with e.lock:
+                procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
+                out[e.cfg.name] = await self._restart(e, procs, reason, {"gpu": gpu_name}, now)
+
+        await asyncio.gather(*(one(e) for e in self._engines_on_gpu(gpu_name)))
+        return out
+
+    # -- restart loops and caches --------------------------------------------------------
+    async def _scan_caches(self, e: _Engine, now: float) -> dict[str, CacheScan]:
+        e.last_cache_scan = now
+        scans = {}
+        for cache in e.cfg.caches:
+            scan = await asyncio.to_thread(scan_zero_byte, cache.path)
+            self._cache_scans[cache.name] = scan
+            scans[cache.name] = scan
+        return scans
+
+    async def _restart_loop(self, e: _Engine, now: float) -> None:
+        cfg = e.cfg
+        loop = cfg.restart_loop
+        scans = await self._scan_caches(e, now)
+        broken = {n: s for n, s in scans.items() if s.zero_byte_files > 0}
+        self._event(e, "engine_restart_loop", "alert",
+                    f"engine {cfg.name}: {loop.count} starts within {loop.window:g} s"
+                    + (f"; zero-byte files in {', '.join(f'{n} ({s.zero_byte_files})' for n, s in broken.items())}"
+                       if broken else "; no zero-byte cache files found"),
+                    caches={n: {"path": str(s.path), "zero_byte_files": s.zero_byte_files} for n, s in scans.items()})
+        if not loop.quarantine:
+            return
+        for name, scan in broken.items():
+            reason = "restart-loop-zero-byte"
+            try:
+                target = await asyncio.to_thread(quarantine, scan.path, reason)
+            except CacheError as exc:
+                self._event(e, "cache_quarantine_failed", "alert", f"cache {name}: {exc}", cache=name)
+                continue
+            self._actions[(cfg.name, "quarantine", reason)] += 1
+            e.last_action = f"quarantine {name}"
+            self._audit(e, "quarantine", reason, "policy",
+                        {"cache": name, "zero_byte_files": scan.zero_byte_files, "files": scan.files,
+                         "examples": list(scan.examples), "restarts": loop.count, "window_seconds": loop.window},
+                        {"from": str(scan.path), "to": str(target)}, now)
+            self._event(e, "cache_quarantined", "alert",
+                        f"cache {name} quarantined: {scan.path} -> {target} ({scan.zero_byte_files} zero-byte files)",
+                        cache=name, path=str(target))
+        await self._scan_caches(e, now)
+
+    # -- sinks ---------------------------------------------------------------------------
+    def _audit(self, e: _Engine, what: str, why: str, who: str, evidence: dict, result: dict, now: float) -> None:
+        record = {"what": what, "why": why, "who": who, "engine": e.cfg.name, "kind": e.cfg.kind,
+                  "gpus": list(e.cfg.gpus), "evidence": evidence, "result": result, "time": now}
+        try:
+            self._audit_sink(record)
+        except Exception:  # noqa: BLE001 - a broken audit sink is logged, the action stands
+            log.exception("engine %s: audit sink failed for %s", e.cfg.name, what)
+
+    def _event(self, e: _Engine, kind: str, severity: str, message: str, **fields: Any) -> None:
+        gpus = e.cfg.gpus
+        ev = Event(kind=kind, severity=severity, source=SOURCE, message=message,
+                   gpu=gpus[0] if len(gpus) == 1 else None, engine=e.cfg.name, time=self._clock(),
+                   fields={"gpus": list(gpus), **fields})
+        try:
+            self._publish_sink(ev)
+        except Exception:  # noqa: BLE001
+            log.exception("engine %s: publish failed for %s", e.cfg.name, kind)
+
+
+def _resolve_quiet(cfg: EngineConfig) -> EngineProcesses | None:
+    try:
+        return resolve(cfg)
+    except ProcessLookupFailed:
+        return None

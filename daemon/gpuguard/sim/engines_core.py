@@ -1,0 +1,245 @@
+"""The simulated engine core: the batch/step model behind every simulated engine kind
+(requests admitted into slots, one prefill step per admission, one decode step per tick
+producing one token per running request) and its counters, each credited the way the real
+engine credits it (ENGINES.md): per step (vLLM generation tokens, SGLang realtime decode,
+llama-server n_decode) or only when a request finishes (SGLang generation_tokens_total,
+llama-server tokens_predicted_total). Also the faults that live in the core: stall (the
+loop stops stepping and spins one core) and the SGLang gauges that refresh every 40 steps.
+
+It runs as a thread in the server process (llama-server: one process) or as its own child
+process speaking JSON lines on stdin/stdout (vLLM EngineCore, SGLang scheduler), so the
+GPU-owning process is distinct from the API server, as on a real host."""
+from __future__ import annotations
+
+import ctypes
+import json
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+SGLANG_ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06,
+                      0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0)
+ITER_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
+DECODE_LOG_INTERVAL = 40  # SGLang --decode-log-interval: gauges refresh this often
+
+
+@dataclass
+class Request:
+    remaining: int
+    prompt: int
+    produced: int = 0
+    prefilled: bool = False
+
+
+@dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.bounds)
+
+    def observe(self, v: float, times: int = 1) -> None:
+        for i, b in enumerate(self.bounds):
+            if v <= b:
+                self.counts[i] += times
+        self.total += v * times
+        self.n += times
+
+    def to_dict(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total, "count": self.n}
+
+
+class Core:
+    def __init__(self, step_time: float = 0.01, slots: int = 4, itl_buckets=ITL_BUCKETS) -> None:
+        self.step_time = step_time
+        self.slots = slots
+        self.running: list[Request] = []
+        self.waiting: list[Request] = []
+        self.stalled = False
+        self.lock = threading.Lock()
+        self.tasks: queue.Queue = queue.Queue()  # llama-server: /metrics is a task on the main loop
+        self.steps = 0  # engine steps = llama_decode() calls
+        self.generation_tokens = 0  # credited every step
+        self.prompt_tokens = 0
+        self.finished = 0
+        self.finished_tokens = 0  # credited at completion
+        self.finished_prompt_tokens = 0
+        self.finished_seconds = 0.0
+        self.prompt_seconds = 0.0
+        self.busy_slot_steps = 0
+        self.n_tokens_max = 0
+        self.iteration = Histogram(ITER_BUCKETS)
+        self.itl = Histogram(itl_buckets)
+        self.reported_running = 0  # SGLang-style gauges, refreshed on prefill / every 40 steps
+        self.reported_waiting = 0
+        self.gen_throughput = 0.0
+        self._since_log = 0
+        self._log_t = time.monotonic()
+        self._log_tokens = 0
+        self.started = time.time()
+        self.beat = 0  # moves every loop turn while the loop is alive (not a metric)
+
+    # commands -----------------------------------------------------------------------
+    def add(self, count: int = 1, max_tokens: int = 10**9, prompt_tokens: int = 16) -> None:
+        with self.lock:
+            for _ in range(count):
+                self.waiting.append(Request(remaining=max_tokens, prompt=prompt_tokens))
+
+    def command(self, cmd: dict) -> None:
+        op = cmd.get("op")
+        if op == "add":
+            self.add(int(cmd.get("count", 1)), int(cmd.get("max_tokens", 10**9)), int(cmd.get("prompt_tokens", 16)))
+        elif op == "stall":
+            self.stalled = True
+        elif op == "unstall":
+            self.stalled = False
+        elif op == "step_time":
+            self.step_time = float(cmd["value"])
+        elif op == "clear":
+            with self.lock:
+                self.running.clear()
+                self.waiting.clear()
+
+    # the loop -----------------------------------------------------------------------
+    def step(self) -> bool:
+        """One engine iteration; False when there was nothing to do."""
+        with self.lock:
+            admitted = []
+            while self.waiting and len(self.running) < self.slots:
+                r = self.waiting.pop(0)
+                self.running.append(r)
+                admitted.append(r)
+            if not self.running:
+                if self.reported_running or self.reported_waiting:  # SGLang idle reset
+                    self.reported_running = self.reported_waiting = 0
+                    self.gen_throughput = 0.0
+                return False
+            self.steps += 1
+            tokens_this_step = 0
+            if admitted:  # a prefill step (chunked prefill still steps)
+                for r in admitted:
+                    self.prompt_tokens += r.prompt
+                    tokens_this_step += r.prompt
+                    r.prefilled = True
+                self.prompt_seconds += self.step_time
+                self.reported_running, self.reported_waiting = len(self.running), len(self.waiting)
+            decoding = [r for r in self.running if r not in admitted]
+            for r in decoding:
+                r.produced += 1
+                r.remaining -= 1
+                self.n_tokens_max = max(self.n_tokens_max, r.prompt + r.produced)
+            n = len(decoding)
+            self.generation_tokens += n
+            tokens_this_step += n
+            self.busy_slot_steps += len(self.running)
+            self.iteration.observe(float(tokens_this_step))
+            if n:
+                self.itl.observe(self.step_time, n)
+            done = [r for r in self.running if r.remaining <= 0]
+            for r in done:
+                self.running.remove(r)
+                self.finished += 1
+                self.finished_tokens += r.produced
+                self.finished_prompt_tokens += r.prompt
+                self.finished_seconds += r.produced * self.step_time
+            self._since_log += 1
+            if self._since_log >= DECODE_LOG_INTERVAL:
+                now = time.monotonic()
+                self.gen_throughput = (self.generation_tokens - self._log_tokens) / max(now - self._log_t, 1e-6)
+                self._log_t, self._log_tokens, self._since_log = now, self.generation_tokens, 0
+                self.reported_running, self.reported_waiting = len(self.running), len(self.waiting)
+            return True
+
+    def loop(self, on_state=None, stop: threading.Event | None = None) -> None:
+        last_emit = 0.0
+        while stop is None or not stop.is_set():
+            if self.stalled:
+                # INCIDENTS §1: spin-waiting on a hung queue — 100 % of one core, no progress,
+                # nothing else served (llama-server's /metrics task waits forever).
+                x = 0
+                while self.stalled:
+                    x += 1
+                continue
+            self.beat += 1
+            while True:
+                try:
+                    fn, box, done = self.tasks.get_nowait()
+                except queue.Empty:
+                    break
+                box.append(fn())
+                done.set()
+            worked = self.step()
+            now = time.monotonic()
+            if on_state is not None and (worked or now - last_emit >= 0.05):
+                on_state(self.state())
+                last_emit = now
+            time.sleep(self.step_time if worked else min(self.step_time, 0.01))
+
+    def call_in_loop(self, fn, timeout: float | None = None):
+        """Run fn on the main loop and wait for it (blocks while the loop is wedged)."""
+        box: list = []
+        done = threading.Event()
+        self.tasks.put((fn, box, done))
+        if not done.wait(timeout):
+            raise TimeoutError
+        return box[0]
+
+    def state(self) -> dict:
+        with self.lock:
+            return {
+                "running": len(self.running), "waiting": len(self.waiting),
+                "reported_running": self.reported_running, "reported_waiting": self.reported_waiting,
+                "gen_throughput": self.gen_throughput,
+                "steps": self.steps, "generation_tokens": self.generation_tokens,
+                "prompt_tokens": self.prompt_tokens, "finished": self.finished,
+                "finished_tokens": self.finished_tokens, "finished_prompt_tokens": self.finished_prompt_tokens,
+                "finished_seconds": self.finished_seconds, "prompt_seconds": self.prompt_seconds,
+                "busy_slot_steps": self.busy_slot_steps, "n_tokens_max": self.n_tokens_max,
+                "iteration": self.iteration.to_dict(), "itl": self.itl.to_dict(),
+                "started": self.started, "beat": self.beat, "time": time.time(),
+            }
+
+
+def set_process_name(name: str) -> None:
+    """Like setproctitle in vLLM/SGLang: the comm (15 chars) names the engine core."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
+
+
+def run_core_process(title: str, step_time: float, slots: int, itl: str) -> int:
+    """Child-process mode: commands in on stdin, state out on stdout, one JSON per line."""
+    set_process_name(title)
+    core = Core(step_time, slots, SGLANG_ITL_BUCKETS if itl == "sglang" else ITL_BUCKETS)
+    out_lock = threading.Lock()
+
+    def emit(state: dict) -> None:
+        with out_lock:
+            try:
+                sys.stdout.write(json.dumps(state) + "\n")
+                sys.stdout.flush()
+            except (BrokenPipeError, ValueError):
+                raise SystemExit(0)  # the API server is gone: so is the engine core
+
+    def commands() -> None:
+        for line in sys.stdin:
+            try:
+                core.command(json.loads(line))
+            except (ValueError, KeyError):
+                continue
+        # stdin closed: the API server exited; a real EngineCore dies with it.
+        import os
+        os._exit(0)
+
+    threading.Thread(target=commands, daemon=True).start()
+    core.loop(on_state=emit)
+    return 0

@@ -1,0 +1,53 @@
+"""A stand-in for systemd's `Restart=always` in tests and the demo (no systemd in CI):
+runs the engine command, starts it again `--restart-sec` after every exit, each run in its
+own session (as a unit's cgroup), until SIGTERM.
+
+    python -m gpuguard.sim.engines_restart [--restart-sec S] -- CMD ARGS..."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def _die_with_parent() -> None:
+    """A test stand-in must not leak engines: the child dies if this supervisor does."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpuguard.sim.engines_restart")
+    p.add_argument("--restart-sec", type=float, default=0.2)
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not cmd:
+        p.error("give the command after --")
+    child: list[subprocess.Popen] = []
+
+    def stop(*_):
+        for c in child:
+            try:
+                os.killpg(c.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while True:
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        child[:] = [proc]
+        proc.wait()
+        time.sleep(a.restart_sec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

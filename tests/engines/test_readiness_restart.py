@@ -1,0 +1,56 @@
+"""Restart by policy without systemd (kill, and the service manager's Restart= brings it
+back); the engine is `starting` until the NEW process answers ready, with no stall
+detection meanwhile, and time-to-ready is measured from the new PID's start (§8)."""
+from __future__ import annotations
+
+import asyncio
+
+from gpuguard.engines.watchdog import EngineWatchdog
+
+from engines_harness import engine_cfg, run_watchdog_until
+
+READY_AFTER = 1.5
+
+
+def test_restart_then_starting_until_new_pid_ready(tmp_path, sims):
+    pidf = tmp_path / "e.pid"
+    sim = sims("llamacpp", "--ready-after", str(READY_AFTER), "--pid-file", str(pidf), supervise=True,
+               wait_ready=False)
+    cfg = engine_cfg("e", "llamacpp", sim.url, process={"pid_file": str(pidf)}, poll_interval=0.1,
+                     http_timeout=0.3, stall_after=1.0, action="restart", grace=0.5)
+    audit, events = [], []
+    wd = EngineWatchdog([cfg], audit.append, events.append)
+    states: list[tuple[str, int | None]] = []
+
+    def track():
+        s = wd.snapshots().get("e")
+        if s is not None and (not states or states[-1] != (s.state, s.pid)):
+            states.append((s.state, s.pid))
+        return s
+
+    async def scenario():
+        s = await run_watchdog_until(wd, lambda: (x := track()) and x.state == "idle" and x, 15)
+        assert s, states
+        first_pid = s.pid
+        assert s.time_to_ready_seconds is not None and s.time_to_ready_seconds >= READY_AFTER
+        await asyncio.to_thread(sim.control, "requests", count=1)
+        assert await run_watchdog_until(wd, lambda: (x := track()) and x.state == "busy", 5), states
+        await asyncio.to_thread(sim.control, "stall")
+        s2 = await run_watchdog_until(
+            wd, lambda: (x := track()) and x.pid not in (None, first_pid) and x.state == "idle" and x, 20)
+        assert s2, states
+        return first_pid, s2
+
+    first_pid, s2 = asyncio.run(scenario())
+    restarts = [r for r in audit if r["what"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["why"] == "heartbeat_flat"
+    assert restarts[0]["result"]["restart"].startswith("left to the service manager")
+    assert restarts[0]["result"]["kill"]["gone"]
+    # while the new process loaded (1.5 s > stall_after 1 s) it was `starting`, never stalled
+    after = states[states.index(next(x for x in states if x[0] == "stalled")) + 1:]
+    new = [st for st, pid in after if pid == s2.pid]
+    assert new[0] == "starting" and "stalled" not in new and new[-1] == "idle"
+    assert READY_AFTER <= s2.time_to_ready_seconds < READY_AFTER + 1.5
+    ready_events = [e for e in events if e.kind == "engine_ready"]
+    assert len(ready_events) == 2
+    assert s2.last_action == "restart (heartbeat_flat)"

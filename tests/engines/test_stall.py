@@ -1,0 +1,204 @@
+"""The stall state machine, with explicit timestamps: every rule fires exactly at its
+window and not before; idle, busy and slow-but-progressing engines never stall."""
+from __future__ import annotations
+
+from gpuguard.engines.adapters import EngineReading
+from gpuguard.engines.stall import Observation, StallSettings, StallTracker
+
+
+def R(running=0, waiting=0, hb=0.0, tokens=None, decode=None, prefill=None):
+    return EngineReading(running, waiting, hb, tokens if tokens is not None else hb, decode, prefill)
+
+
+def tracker(**kw):
+    return StallTracker(StallSettings(**{"stall_after": 2.0, **kw}))
+
+
+def ready_at(tr, t, reading, pid=10, cpu=None):
+    return tr.observe(Observation(t, pid, 0.0, "ready", reading, None, cpu))
+
+
+def test_idle_engine_never_stalls():
+    tr = tracker()
+    for i in range(100):
+        v = ready_at(tr, 100 + i, R(0, 0, hb=5))
+        assert v.state == "idle" and not v.stalled and v.no_progress_seconds == 0
+
+
+def test_busy_engine_producing_never_stalls():
+    tr = tracker()
+    for i in range(50):
+        v = ready_at(tr, 100 + i * 0.5, R(2, 1, hb=i * 40))
+        assert not v.stalled
+    assert v.state == "busy" and abs(v.tokens_per_second - 80.0) < 1e-9
+
+
+def test_slow_but_progressing_is_not_stalled():
+    # one step every 1.5 s, polled every 0.5 s, window 2 s
+    tr = tracker()
+    for i in range(60):
+        t = 100 + i * 0.5
+        v = ready_at(tr, t, R(1, 0, hb=(i // 3)))
+        assert not v.stalled, f"false stall at t={t}"
+        assert v.no_progress_seconds <= 1.5
+
+
+def test_flat_heartbeat_with_work_stalls_at_stall_after():
+    tr = tracker()
+    ready_at(tr, 100.0, R(1, 0, hb=10))
+    ready_at(tr, 100.5, R(1, 0, hb=20))  # last movement seen at 100.5
+    v = ready_at(tr, 102.0, R(1, 0, hb=20))
+    assert not v.stalled and v.no_progress_seconds == 1.5
+    v = ready_at(tr, 102.5, R(1, 0, hb=20))
+    assert v.stalled and v.reason == "heartbeat_flat" and v.no_progress_seconds == 2.0
+    assert v.evidence["running"] == 1 and v.evidence["heartbeat"] == 20
+
+
+def test_poll_jitter_does_not_cost_a_poll():
+    tr = tracker(jitter=0.05)
+    ready_at(tr, 100.0, R(1, 0, hb=1))
+    ready_at(tr, 100.5, R(1, 0, hb=2))
+    assert not ready_at(tr, 102.44, R(1, 0, hb=2)).stalled  # earlier than the jitter allows
+    v = ready_at(tr, 102.499, R(1, 0, hb=2))  # the 2.0 s tick, landed 1 ms early
+    assert v.stalled and v.reason == "heartbeat_flat"
+
+
+def test_waiting_only_with_flat_heartbeat_stalls():
+    tr = tracker()
+    ready_at(tr, 100.0, R(0, 0, hb=10))
+    ready_at(tr, 101.0, R(0, 3, hb=10))  # work arrived; idle until 100.0 (last seen idle)
+    v = ready_at(tr, 102.0, R(0, 3, hb=10))
+    assert v.stalled and v.reason == "heartbeat_flat"
+
+
+def test_completion_counter_moving_is_not_progress():
+    """llama-server: tokens_predicted_total jumps when a slot is released; the heartbeat
+    (n_decode_total) is what counts."""
+    tr = tracker()
+    ready_at(tr, 100.0, R(2, 0, hb=50, tokens=0))
+    ready_at(tr, 101.0, R(2, 0, hb=50, tokens=260))
+    v = ready_at(tr, 102.0, R(2, 0, hb=50, tokens=520))
+    assert v.stalled and v.reason == "heartbeat_flat"
+
+
+def test_frozen_process_no_answers_counts_as_flat():
+    """SIGSTOP: /health and /metrics both time out; the last reading had work pending."""
+    tr = tracker(unhealthy_after=30)
+    ready_at(tr, 100.0, R(1, 0, hb=10))
+    ready_at(tr, 100.5, R(1, 0, hb=11))
+    v = tr.observe(Observation(102.0, 10, 0.0, "timeout", None, "timeout", None))
+    assert not v.stalled
+    v = tr.observe(Observation(102.5, 10, 0.0, "timeout", None, "timeout", None))
+    assert v.stalled and v.reason == "heartbeat_flat"
+    assert v.evidence["health"] == "timeout" and v.evidence["metrics_error"] == "timeout"
+
+
+def test_metrics_unanswered_while_health_ready():
+    tr = tracker()
+    ready_at(tr, 100.0, R(0, 0, hb=10))  # idle: the heartbeat rule cannot fire
+    for t in (100.5, 101.0, 102.0):
+        v = tr.observe(Observation(t, 10, 0.0, "ready", None, "timeout"))
+        assert not v.stalled
+    v = tr.observe(Observation(102.5, 10, 0.0, "ready", None, "timeout"))
+    assert v.stalled and v.reason == "metrics_unanswered"
+
+
+def test_cpu_pinned_with_flat_heartbeat_even_when_gauges_say_idle():
+    # vllm#37729: wedged with num_requests_running = 0; the EngineCore spins.
+    tr = tracker()
+    cpu = 50.0
+    v = None
+    for i in range(8):
+        t = 100 + i * 0.5
+        v = ready_at(tr, t, R(0, 0, hb=10), cpu=cpu)
+        cpu += 0.5  # 100 % of one core
+        if t - 100 < 2.0:  # pinned from the first sample (t=100) on
+            assert not v.stalled
+    assert v.stalled and v.reason == "cpu_spin" and v.cpu_percent == 100.0
+
+
+def test_cpu_busy_but_progressing_is_fine():
+    tr = tracker()
+    cpu = 0.0
+    for i in range(20):
+        v = ready_at(tr, 100 + i * 0.5, R(1, 0, hb=i), cpu=cpu)
+        cpu += 0.5
+        assert not v.stalled
+
+
+def test_health_failing_for_unhealthy_after():
+    tr = tracker(unhealthy_after=3.0)
+    ready_at(tr, 100.0, R(0, 0, hb=1))
+    v = tr.observe(Observation(101.0, 10, 0.0, "failed", R(0, 0, hb=1)))
+    assert v.state == "idle"
+    v = tr.observe(Observation(104.0, 10, 0.0, "failed", R(0, 0, hb=1)))
+    assert v.state == "unhealthy" and v.reason == "health_failing" and not v.stalled
+
+
+def test_slow_health_while_progressing_is_not_unhealthy():
+    """SGLang's /health queues a 1-token generation behind the batch: a timeout there while
+    the heartbeat moves is not an unhealthy engine."""
+    tr = tracker(unhealthy_after=3.0)
+    ready_at(tr, 100.0, R(2, 0, hb=1))
+    for i in range(1, 10):
+        v = tr.observe(Observation(100.0 + i, 10, 0.0, "timeout", R(2, 0, hb=1 + i)))
+        assert v.state == "busy" and v.reason is None
+    for i in range(10, 14):  # progress stops too: now it is a stall (window 2 s)
+        v = tr.observe(Observation(100.0 + i, 10, 0.0, "timeout", R(2, 0, hb=10)))
+    assert v.stalled and v.reason == "heartbeat_flat"
+
+
+def test_step_multiple_window_with_floor_and_cap():
+    tr = StallTracker(StallSettings(stall_after=60.0, step_multiple=4.0, floor=3.0))
+    for i in range(10):  # one step per 0.5 s poll -> step 0.5 s -> 4 x 0.5 = 2 < floor 3
+        ready_at(tr, 100 + i * 0.5, R(1, 0, hb=i))
+    assert tr.window() == 3.0
+    v = ready_at(tr, 107.5, R(1, 0, hb=9))
+    assert v.stalled and v.stall_window == 3.0
+
+
+def test_starting_no_stall_and_time_to_ready_from_pid_start():
+    tr = tracker()
+    # first sight: new process, not ready; started at 90
+    v = tr.observe(Observation(100.0, 20, 90.0, "refused", None, "refused"))
+    assert v.state == "starting"
+    for t in (101, 105, 130):  # far longer than stall_after: no stall while starting
+        v = tr.observe(Observation(float(t), 20, 90.0, "timeout", None, "timeout"))
+        assert v.state == "starting" and not v.stalled
+    v = tr.observe(Observation(131.0, 20, 90.0, "ready", R(0, 0, hb=0)))
+    assert v.became_ready and v.time_to_ready == 41.0 and v.state == "idle"
+
+
+def test_old_process_health_does_not_count_after_restart():
+    """INCIDENTS §8: polling health while the old process was still exiting gave a false
+    'ready in 20 s'. Only the new PID's health counts."""
+    tr = tracker()
+    ready_at(tr, 100.0, R(1, 0, hb=1), pid=30)
+    tr.mark_starting()
+    v = tr.observe(Observation(101.0, 30, 0.0, "ready", R(1, 0, hb=1)))  # old PID still answering
+    assert v.state == "starting" and not v.became_ready
+    v = tr.observe(Observation(102.0, None))
+    assert v.state == "down"
+    v = tr.observe(Observation(103.0, 31, 102.5, "refused", None, "refused"))
+    assert v.state == "starting" and v.new_pid
+    v = tr.observe(Observation(110.0, 31, 102.5, "ready", R(0, 0, hb=0)))
+    assert v.became_ready and v.time_to_ready == 7.5
+
+
+def test_new_pid_is_reported_once():
+    tr = tracker()
+    assert not ready_at(tr, 100.0, R(), pid=1).new_pid  # present at gpuguard start: not witnessed
+    assert ready_at(tr, 101.0, R(), pid=2).new_pid
+    assert not ready_at(tr, 102.0, R(), pid=2).new_pid
+
+
+def test_decode_gap_when_prefill_starves_decode():
+    """INCIDENTS §9: heartbeat moving (prefill chunks) while decode tokens do not."""
+    tr = StallTracker(StallSettings(stall_after=60.0), separates_decode=True)
+    ready_at(tr, 100.0, R(2, 0, hb=10, decode=100, prefill=1000))
+    ready_at(tr, 101.0, R(2, 0, hb=11, decode=110, prefill=1000))
+    v = None
+    for i in range(1, 6):
+        v = ready_at(tr, 101.0 + i, R(2, 0, hb=11 + i, decode=110, prefill=1000 + 2048 * i))
+    assert not v.stalled
+    assert v.decode_gap_seconds == 5.0 and v.no_progress_seconds == 0.0
