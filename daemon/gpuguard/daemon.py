@@ -19,6 +19,9 @@ from typing import Any, Callable
 import uvicorn
 
 from gpuguard.config import Config, ConfigError, load_config
+from gpuguard.engines.api import EngineActions
+from gpuguard.engines.metrics import engine_metrics
+from gpuguard.engines.watchdog import EngineWatchdog
 from gpuguard.hw.pcie import PcieCollector
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sources import default_sources
@@ -118,6 +121,18 @@ class Daemon:
             self.poller.on_cycle.append(lambda snap: rec.record(snap))
             self.hub.on_event(lambda e: rec.record(events=[e]))
         self.hub.on_event(self._log_event)
+        self.engines: EngineWatchdog | None = None
+        if config.engines:
+            self.engines = EngineWatchdog(config.engines, audit=self._engine_audit, publish=self.hub.publish)
+            self.metrics.add_producer(lambda: engine_metrics(self.engines))
+            self.actions.provide_from(EngineActions(self.engines))
+            # INCIDENTS §1: a hang on a GPU kills its engines at once; after a reset every
+            # context on it is dead, so its engines are restarted.
+            self.kernel_actions.on_fatal.append(self._kill_engines_for_kernel)
+            self.poller.on_cycle.insert(0, lambda snap: self._engine_notes())
+            self.kernel_actions.on_reset_ok.append(
+                lambda gpu, bdf: self.engines.restart_engines_on_gpu(gpu, "gpu_reset_ok") if gpu else None
+            )
         # Profiles: applied and verified before READY, re-applied on drift and late cards.
         from gpuguard.profiles import attach
 
@@ -162,6 +177,30 @@ class Daemon:
                 self.tasks.append(asyncio.create_task(self.kernel_router.run_udev(monitor), name="udev"))
             except (UdevError, OSError) as e:
                 log.error("udev not watched: %s; late and vanished GPUs are still found by polling", e)
+
+    def _engine_audit(self, rec: dict) -> None:
+        self.audit.record(
+            f"engine.{rec.get('what')}", rec.get("who", "policy"), rec.get("why", ""),
+            target=rec.get("engine"), evidence={k: rec.get(k) for k in ("evidence", "gpus", "kind")},
+            result=str((rec.get("result") or {}).get("gone", "ok")) if isinstance(rec.get("result"), dict) else "ok",
+        )
+
+    async def _kill_engines_for_kernel(self, gpu: str | None, bdf: str | None, kind: str) -> None:
+        if self.engines is None:
+            return
+        if gpu is None:
+            # `amdgpu: sq_intr:` names no device: which engine's GPU is unknown. The
+            # device_lost / reset lines that follow do name it and kill then.
+            log.warning("kernel %s without a GPU address: no engine killed on it alone", kind)
+            return
+        await self.engines.kill_engines_on_gpu(gpu, kind, {"kernel_event": kind, "bdf": bdf})
+
+    def _engine_notes(self) -> None:
+        if self.engines is None:
+            return
+        bad = [f"{n} {s.state}" for n, s in sorted(self.engines.snapshots().items()) if s.state in ("stalled", "unhealthy", "down")]
+        self.hub.notes["engines"] = ("engines: " + ", ".join(bad)) if bad else ""
+        self.hub.set_view("engines", self.engines.snapshots())
 
     def expected_links(self) -> dict[str, ExpectedLink]:
         """bdf -> expected slot link, from `gpus[].expect_link` and today's GPU names."""
@@ -325,6 +364,8 @@ class Daemon:
                 fn()
             self.tasks.append(asyncio.create_task(self.poller.run(self.stop_event), name="poller"))
             self.tasks.append(asyncio.create_task(self.pcie.run(self.stop_event), name="pcie"))
+            if self.engines is not None:
+                self.tasks.append(asyncio.create_task(self.engines.run(), name="engines"))
             await self.stop_event.wait()
             return 0
         finally:
@@ -342,6 +383,8 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     os.unlink(self.config.api.unix_socket)
             self.poller.close()
+            if self.engines is not None:
+                await self.engines.aclose()
             if self.recorder is not None:
                 self.recorder.close()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

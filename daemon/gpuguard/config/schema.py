@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpuguard.engines.config import EngineConfig
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.kernel.config import KernelConfig
 from gpuguard.profiles.schema import ApplyConfig, Profile, assignment_problems
@@ -98,6 +99,7 @@ class Config(Strict):
     logging: LoggingConfig = LoggingConfig()
     recorder: RecorderConfig = RecorderConfig()
     kernel: KernelConfig = KernelConfig()
+    engines: list[EngineConfig] = []
     api: ApiConfig = ApiConfig()  # issue 6: control API auth, body limit, UNIX socket
     webhooks: list[WebhookConfig] = []  # issue 6: alert-grade events POSTed here
     profiles: dict[str, Profile] = {}
@@ -108,6 +110,19 @@ class Config(Strict):
         problems = assignment_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _engines(self) -> "Config":
+        names = [e.name for e in self.engines]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"engine name(s) used twice in engines: {', '.join(dup)}")
+        gpu_names = {g.name for g in self.gpus}
+        for e in self.engines:
+            unknown = [g for g in e.gpus if g not in gpu_names and not g.startswith("card")]
+            if unknown and gpu_names:
+                raise ValueError(f"engine {e.name}: gpus {unknown} are not names in gpus: ({', '.join(sorted(gpu_names))})")
         return self
 
     @model_validator(mode="after")

@@ -1,0 +1,49 @@
+"""Prometheus families of the engine watchdog, from its in-memory snapshots (a scrape
+never talks to an engine). Names from reference/METRICS.md; an unknown value (an engine
+that did not answer) is absent, never zero."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gpuguard.engines.watchdog import EngineWatchdog
+
+
+def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
+    snaps = wd.snapshots()
+    up = GaugeMetricFamily("gpuguard_engine_up", "1 = the engine's health endpoint answers ready", labels=["engine"])
+    running = GaugeMetricFamily("gpuguard_engine_requests_running", "Requests the engine is running", labels=["engine"])
+    waiting = GaugeMetricFamily("gpuguard_engine_requests_waiting", "Requests queued in the engine", labels=["engine"])
+    tokens = CounterMetricFamily("gpuguard_engine_generated_tokens", "Generated tokens as reported by the engine",
+                                 labels=["engine"])
+    tps = GaugeMetricFamily("gpuguard_engine_tokens_per_second", "Recent generation rate (llama-server: decode steps/s)",
+                            labels=["engine"])
+    gap = GaugeMetricFamily("gpuguard_engine_no_progress_seconds",
+                            "Time since the per-step counter last advanced while requests were pending", labels=["engine"])
+    dgap = GaugeMetricFamily("gpuguard_engine_decode_gap_seconds",
+                             "Longest no-token gap of running decodes (INCIDENTS §9: prefill starving decode)",
+                             labels=["engine"])
+    stalled = GaugeMetricFamily("gpuguard_engine_stalled", "1 = the watchdog declared a stall", labels=["engine"])
+    ready = GaugeMetricFamily("gpuguard_engine_time_to_ready_seconds",
+                              "Start of the engine's current process to its first ready health answer", labels=["engine"])
+    cpu = GaugeMetricFamily("gpuguard_engine_cpu_ratio", "CPU of the engine's GPU-owning process, cores", labels=["engine"])
+    for name, s in sorted(snaps.items()):
+        up.add_metric([name], 1.0 if s.up else 0.0)
+        stalled.add_metric([name], 1.0 if s.stalled else 0.0)
+        gap.add_metric([name], s.no_progress_seconds)
+        for fam, value in ((running, s.requests_running), (waiting, s.requests_waiting), (tokens, s.generated_tokens_total),
+                           (tps, s.tokens_per_second), (dgap, s.decode_gap_seconds), (ready, s.time_to_ready_seconds),
+                           (cpu, None if s.cpu_percent is None else s.cpu_percent / 100.0)):
+            if value is not None:
+                fam.add_metric([name], value)
+    actions = CounterMetricFamily("gpuguard_engine_actions", "Kills, restarts and quarantines by the watchdog",
+                                  labels=["engine", "action", "reason"])
+    for (engine, action, reason), n in sorted(wd.actions_total().items()):
+        actions.add_metric([engine, action, reason], n)
+    caches = GaugeMetricFamily("gpuguard_cache_zero_byte_files", "Zero-byte files in a compile cache (INCIDENTS §7)",
+                               labels=["cache"])
+    for name, scan in sorted(wd.cache_scans().items()):
+        if scan.zero_byte_files is not None:
+            caches.add_metric([name], scan.zero_byte_files)
+    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, caches)

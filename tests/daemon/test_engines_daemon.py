@@ -1,0 +1,129 @@
+"""The engine watchdog inside the running daemon (issues 5, 6, 8 together): a simulated
+vLLM told to stall is declared stalled, the stall alert reaches a real webhook receiver
+within 1 s, the engine's processes are killed (SIGTERM, SIGKILL if ignored) within
+stall_after + poll + grace, and the action is audited with its evidence. A kernel
+gpu_hang on one GPU kills the engine on that GPU at once and leaves the other alone."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from engines.engines_harness import SimEngine, alive
+
+NAMES = """
+poll: {interval_seconds: 0.25, discover_seconds: 1}
+gpus:
+  - {name: r9700-a, match: {bdf: "0000:05:00.0"}}
+  - {name: xtx-0, match: {bdf: "0000:aa:00.0"}}
+"""
+
+
+class Receiver:
+    def __init__(self) -> None:
+        self.got: list[tuple[float, dict]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                outer.got.append((time.time(), json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *a) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def events(self, kind: str) -> list[tuple[float, dict]]:
+        return [(t, b["event"]) for t, b in self.got if b["event"]["kind"] == kind]
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.httpd.shutdown()
+
+
+@pytest.fixture
+def engines():
+    started: list[SimEngine] = []
+
+    def start(kind: str, *args: str) -> SimEngine:
+        e = SimEngine(kind, *args)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+def engine_yaml(name: str, e: SimEngine, gpu: str, **kw) -> str:
+    opts = {"stall_after": 2, "poll_interval": 0.25, "http_timeout": 0.5, "grace": 1, "action": "kill", **kw}
+    extra = ", ".join(f"{k}: {v}" for k, v in opts.items())
+    return (f"  - {{name: {name}, kind: {e.kind}, url: \"{e.url}\", process: {{pid_file: null, cmdline: "
+            f"'gpuguard.sim.engines --kind {e.kind} --port {e.port}'}}, gpus: [{gpu}], {extra}}}\n")
+
+
+def test_stalled_engine_alerts_the_webhook_within_a_second_and_is_killed(sim, start_daemon, receiver, engines, wait_for, tmp_path):
+    e = engines("vllm")
+    cfg = NAMES + f"webhooks: [{{url: \"{receiver.url}\", retries: 0}}]\nengines:\n" + engine_yaml("vllm-a", e, "xtx-0")
+    d = start_daemon(sim.mount, cfg)
+    e.control("requests", count=2, max_tokens=100000)
+    wait_for(lambda: d.value("gpuguard_engine_requests_running", engine="vllm-a"), what="requests running")
+    tree = e.tree()
+    assert len(tree) >= 2  # the API server and its EngineCore child
+    stalled_at = time.time()
+    e.control("stall")
+    (t_recv, ev), *_ = wait_for(lambda: receiver.events("engine_stalled"), timeout=10, what="the stall webhook")
+    assert t_recv - ev["time"] < 1.0, f"webhook {t_recv - ev['time']:.3f} s after the stall was declared"
+    assert ev["engine"] == "vllm-a" and ev["severity"] in ("alert", "critical")
+    # killed within stall_after + poll + grace (+ one HTTP timeout of the deciding poll)
+    wait_for(lambda: not any(alive(p) for p in tree), timeout=2 + 0.25 + 1 + 0.5 + 1.5, what="the engine's processes gone")
+    assert time.time() - stalled_at < 2 + 0.25 + 1 + 0.5 + 1.5
+    killed = wait_for(lambda: receiver.events("engine_killed"), what="the kill webhook")
+    assert killed
+    audit = [json.loads(l) for l in (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
+    kill = [a for a in audit if a["what"] == "engine.kill" and a["target"] == "vllm-a"]
+    assert kill and kill[0]["who"] == "policy"
+    evidence = kill[0]["evidence"]["evidence"]
+    # the window tolerates 10 % of a poll interval of jitter (engines/stall.py)
+    assert evidence["running"] == 2 and evidence["no_progress_seconds"] >= 2 - 0.1 * 0.25
+    m = d.metrics()
+    acts = {dict(l)["reason"]: v for (n, l), v in m.items() if n == "gpuguard_engine_actions_total" and dict(l)["engine"] == "vllm-a"}
+    assert sum(acts.values()) == 1, acts
+    # the CLI reads the same state from the running daemon
+    import subprocess, sys
+    r = subprocess.run([sys.executable, "-m", "gpuguard", "engines", "--api", d.base, "--json"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode in (0, 1), r.stderr
+    assert "vllm-a" in r.stdout
+
+
+@pytest.mark.skipif(not os.access("/dev/kmsg", os.W_OK), reason="needs root: writes to /dev/kmsg")
+def test_kernel_hang_on_a_gpu_kills_its_engine_at_once(sim, start_daemon, engines, wait_for):
+    on_xtx = engines("llamacpp")
+    on_r9700 = engines("sglang")
+    cfg = (NAMES + "kernel: {allow_userspace: true, udev: false}\nengines:\n"
+           + engine_yaml("llama-xtx", on_xtx, "xtx-0", stall_after=600, action="alert")
+           + engine_yaml("sglang-r9700", on_r9700, "r9700-a", stall_after=600, action="alert"))
+    d = start_daemon(sim.mount, cfg)
+    wait_for(lambda: d.value("gpuguard_engine_up", engine="llama-xtx") == 1.0, what="llama-xtx up")
+    xtx_tree, r_tree = on_xtx.tree(), on_r9700.tree()
+    t0 = time.monotonic()
+    with open("/dev/kmsg", "w") as f:
+        f.write("<3>amdgpu 0000:aa:00.0: amdgpu: ring gfx_0.0.0 timeout, signaled seq=77, emitted seq=79\n")
+    wait_for(lambda: not any(alive(p) for p in xtx_tree), timeout=5, what="the XTX engine killed")
+    assert time.monotonic() - t0 < 3  # at once: no stall window, only the kill's own grace
+    assert all(alive(p) for p in r_tree)  # the engine on the other GPU is untouched
+    events = httpx.get(f"{d.base}/v1/events", timeout=5).json()
+    assert any(e["kind"] == "engine_killed" and e["engine"] == "llama-xtx" for e in events)
