@@ -79,3 +79,21 @@ def test_config_check_cli_exit_status(tmp_path):
     good.write_text("listen:\n  port: 9500\n")
     r = subprocess.run([sys.executable, "-m", "gpuguard", "config", "check", str(good)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_commented_examples_in_the_annotated_config_are_valid():
+    """Every `#  ` example block in config/gpuguard.yaml, uncommented, is a valid config:
+    a user who copies one gets no surprise."""
+    import re
+
+    text = (REPO / "config" / "gpuguard.yaml").read_text()
+    lines = [m.group(1) if (m := re.match(r"^#(  .*)$", line)) else line for line in text.splitlines()]
+    t = "\n".join(lines)
+    for section in ("gpus", "profiles", "engines", "webhooks"):
+        t = re.sub(rf"^{section}: (\[\]|\{{\}})$", f"{section}:", t, flags=re.M)
+    c = parse_config(t, "uncommented")
+    assert [g.name for g in c.gpus] == ["r9700-a", "xtx-0"]
+    assert c.gpus[1].expect_link.gen == 4
+    assert set(c.profiles) == {"psu-safe", "xtx-2000"}
+    assert [e.name for e in c.engines] == ["qwen", "custom"]
+    assert c.webhooks and c.webhooks[0].retries == 3
