@@ -1,7 +1,10 @@
 """Helpers shared by tests (importable: pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 
@@ -20,3 +23,33 @@ def poll_until(cond: Callable[[], object], timeout: float = 10.0, what: str = "c
                 return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class WebhookReceiver:
+    """A real HTTP server on loopback that records every POSTed webhook body with the
+    time it arrived (the notifier's receiving end in tests)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[float, dict]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.got.append((time.time(), body))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *a) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/alerts"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def events(self, kind: str) -> list[tuple[float, dict]]:
+        return [(t, b["event"]) for t, b in self.got if b["event"]["kind"] == kind]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

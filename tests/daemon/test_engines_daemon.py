@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from support import WebhookReceiver
 
 from engines.engines_harness import SimEngine, alive
 
@@ -24,33 +23,11 @@ gpus:
 """
 
 
-class Receiver:
-    def __init__(self) -> None:
-        self.got: list[tuple[float, dict]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                outer.got.append((time.time(), json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *a) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def events(self, kind: str) -> list[tuple[float, dict]]:
-        return [(t, b["event"]) for t, b in self.got if b["event"]["kind"] == kind]
-
-
 @pytest.fixture
 def receiver():
-    r = Receiver()
+    r = WebhookReceiver()
     yield r
-    r.httpd.shutdown()
+    r.close()
 
 
 @pytest.fixture

@@ -1,5 +1,4 @@
 """Apply against the simulated incident host through a real FUSE mount."""
-import errno
 
 from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.profiles.apply import Applier, CardTarget

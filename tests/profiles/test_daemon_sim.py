@@ -1,7 +1,6 @@
 """`gpuguard run` as a real subprocess against the FUSE-mounted simulated incident host:
 profiles applied and read back before READY=1 (seen on a real NOTIFY_SOCKET), late cards,
 drift after a GPU reset."""
-import json
 import os
 import signal
 import socket

@@ -10,12 +10,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
+from support import WebhookReceiver
 
 from gpuguard.sim.runner import build_scenario
 from gpuguard.sim.tree import write_tree
@@ -24,32 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 XTX = "0000:aa:00.0"  # behind the switch hop that trained at 5 GT/s
 
 
-class Receiver:
-    def __init__(self) -> None:
-        self.got: list[tuple[float, dict]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.got.append((time.time(), body))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *a) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/alerts"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-
 @pytest.fixture
 def receiver():
-    r = Receiver()
+    r = WebhookReceiver()
     yield r
-    r.httpd.shutdown()
-    r.httpd.server_close()
+    r.close()
 
 
 def test_link_downgrade_alert_reaches_the_webhook_within_a_second(tmp_path, receiver, make_token_file, tokens, wait):

@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-from gpuguard.sim.host import SimHost
 
 XTX = "0000:aa:00.0"
 R9700 = "0000:08:00.0"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from gpuguard.state.events import Event
 

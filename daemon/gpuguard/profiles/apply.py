@@ -30,7 +30,6 @@ from gpuguard.profiles.plan import (
     CapLimits,
     Plan,
     PlanError,
-    Write,
     mismatches,
     observed_values,
     plan_apply,

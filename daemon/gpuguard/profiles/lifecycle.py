@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 from typing import Any
 
 from gpuguard.profiles.apply import Applier, CardResult, CardTarget, result_event
