@@ -125,10 +125,14 @@ async def run_watchdog_until(wd, pred, timeout: float, interval: float = 0.02):
             await asyncio.sleep(interval)
     finally:
         task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+        # the watchdog's own shutdown is bounded; bound the test's wait for it too
+        await asyncio.wait({task}, timeout=15)
+        if not task.done():
+            import io
+            out = io.StringIO()
+            for t in asyncio.all_tasks():
+                t.print_stack(file=out)
+            raise AssertionError("the watchdog loop did not stop within 15 s of being cancelled:\n" + out.getvalue())
 
 
 def engine_cfg(name: str, kind: str, url: str, **kw):

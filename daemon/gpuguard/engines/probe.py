@@ -7,6 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+import anyio
 import httpx
 
 from gpuguard.engines.adapters import Adapter, EngineReading, Health
@@ -54,10 +55,14 @@ class EngineProbe:
         """-> (outcome, status, body, seconds); outcome ok|timeout|refused|error."""
         t0 = time.monotonic()
         try:
-            # wait_for bounds the whole exchange: httpx's timeouts are per phase.
-            resp = await asyncio.wait_for(self._client.get(path), timeout)
+            # fail_after bounds the whole exchange (httpx's timeouts are per phase). It must be
+            # anyio's own deadline, not asyncio.wait_for: anyio's happy-eyeballs connect can
+            # swallow wait_for's cancellation, and a connect to a frozen (SIGSTOPped) engine
+            # whose backlog is full then hangs for minutes — seen with the real llama-server.
+            with anyio.fail_after(timeout):
+                resp = await self._client.get(path, timeout=timeout)
             return "ok", resp.status_code, resp.text, time.monotonic() - t0
-        except (asyncio.TimeoutError, httpx.TimeoutException):
+        except (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException):
             return "timeout", None, f"no answer within {timeout:g} s", time.monotonic() - t0
         except httpx.ConnectError as exc:
             return "refused", None, f"connect failed: {exc}", time.monotonic() - t0

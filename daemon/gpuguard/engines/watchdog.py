@@ -44,6 +44,9 @@ class _Engine:
     procs: EngineProcesses | None = None
 
 
+CLOSE_TIMEOUT = 5.0  # seconds for the engine loops and HTTP clients to stop
+
+
 class EngineWatchdog:
     def __init__(self, configs: Sequence[EngineConfig], audit: Callable[[dict], None],
                  publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time) -> None:
@@ -95,12 +98,20 @@ class EngineWatchdog:
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Bounded: a poll stuck in an HTTP exchange with a half-dead engine must not
+            # hold the daemon's shutdown (or a test) forever.
+            done, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
+            if pending:
+                log.error("engine watchdog: %d engine loop(s) did not stop within %g s: %s", len(pending),
+                          CLOSE_TIMEOUT, ", ".join(t.get_name() for t in pending))
             await self.aclose()
 
     async def aclose(self) -> None:
         for e in self._engines.values():
-            await e.probe.aclose()
+            try:
+                await asyncio.wait_for(e.probe.aclose(), CLOSE_TIMEOUT)
+            except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - closing is best effort
+                log.error("engine %s: HTTP client did not close cleanly: %s", e.cfg.name, type(exc).__name__)
 
     async def poll_once(self, now: float | None = None) -> dict[str, EngineSnapshot]:
         """One poll of every engine, concurrently; returns the new snapshots."""
