@@ -53,6 +53,7 @@ class EngineWatchdog:
         self._audit_sink = audit
         self._publish_sink = publish
         self._clock = clock
+        self._stopping = False
         self._engines: dict[str, _Engine] = {}
         self._actions: Counter[tuple[str, str, str]] = Counter()
         self._cache_scans: dict[str, CacheScan] = {}
@@ -91,11 +92,18 @@ class EngineWatchdog:
     # -- loops ---------------------------------------------------------------------------
     async def run(self) -> None:
         """Poll every engine on its own cadence until cancelled."""
+        self._stopping = False
         tasks = [asyncio.create_task(self._engine_loop(e), name=f"engine:{e.cfg.name}")
                  for e in self._engines.values()]
         try:
-            await asyncio.gather(*tasks)
+            # asyncio.wait, not gather: cancelling run() must not wait for the loops first.
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                t.result()
         finally:
+            # A cancellation can be swallowed inside httpx/anyio's connect machinery (a
+            # connect to a frozen engine): the flag ends such a loop at its next turn.
+            self._stopping = True
             for t in tasks:
                 t.cancel()
             # Bounded: a poll stuck in an HTTP exchange with a half-dead engine must not
@@ -121,7 +129,7 @@ class EngineWatchdog:
     async def _engine_loop(self, e: _Engine) -> None:
         interval = e.cfg.poll_interval
         next_at = time.monotonic()
-        while True:
+        while not self._stopping:
             try:
                 await self._poll(e, None)
             except asyncio.CancelledError:
