@@ -233,3 +233,29 @@ def test_api_applies_a_profile_and_reverts_it_unless_confirmed(sim, start_daemon
     audit = (tmp_path / "state" / "audit.jsonl").read_text()
     assert "ops-laptop" in audit and "s3cret-token" not in audit
     assert '"what": "profile_write"' in audit
+
+
+@pytest.mark.skipif(not __import__("os").access("/dev/kmsg", __import__("os").W_OK), reason="needs root: writes to /dev/kmsg")
+def test_kernel_reset_ok_reapplies_the_profile_of_that_gpu(sim, start_daemon, wait_for, tmp_path):
+    """INCIDENTS §3 / issue 5: a GPU reset puts the card back to stock silently; the
+    kernel's `GPU reset(N) succeeded!` re-applies its profile (drift checking is off here,
+    so only the kernel event can have caused it)."""
+    cfg = NAMES.replace('{name: xtx-0, match: {bdf: "0000:aa:00.0"}}',
+                        '{name: xtx-0, match: {bdf: "0000:aa:00.0"}, profile: xtx-2000}') + """
+profiles:
+  xtx-2000: {sclk_max_mhz: 2000, vddgfx_offset_mv: -100}
+apply: {drift_check: false}
+kernel: {allow_userspace: true, udev: false, recover_settle_seconds: 0.2}
+"""
+    d = start_daemon(sim.mount, cfg)
+    wait_for(lambda: "OD_VDDGFX_OFFSET:\n-100mV" in _od(sim, "0000:aa:00.0"), what="the profile applied at start")
+    sim.ctl("reset_gpu", bdf="0000:aa:00.0")  # the card is at stock again
+    assert "OD_VDDGFX_OFFSET:\n0mV" in _od(sim, "0000:aa:00.0")
+    _kmsg_write("<6>amdgpu 0000:aa:00.0: amdgpu: GPU reset(2) succeeded!")
+    wait_for(lambda: "OD_VDDGFX_OFFSET:\n-100mV" in _od(sim, "0000:aa:00.0"), timeout=10, what="the re-apply after the reset")
+    def verified_after_reset():
+        audit = [__import__("json").loads(l) for l in (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
+        return [a for a in audit if a["what"] == "profile_verified" and "reset" in a["why"].lower()]
+
+    (rec,) = wait_for(verified_after_reset, what="the verified re-apply in the audit log")
+    assert rec["who"] == "policy" and rec["target"] == "xtx-0"
