@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -37,6 +38,7 @@ def test_demo_serves_telemetry_in_base_units_and_stops_on_ctrl_c(tmp_path, wait_
     proc = subprocess.Popen([sys.executable, "-m", "gpuguard", "demo", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     lines: list[str] = []
+    engine_pids: list[int] = []
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -72,6 +74,12 @@ def test_demo_serves_telemetry_in_base_units_and_stops_on_ctrl_c(tmp_path, wait_
             assert v(m, "gpuguard_profile_verified", gpu="r9700-a", profile="psu-safe") == 1.0
             assert v(m, "gpuguard_gpu_power_cap_watts", gpu="r9700-a") == 210.0
             assert v(m, "gpuguard_gpu_od_setting", gpu="r9700-a", setting="sclk_offset_mhz") == -500
+        # the simulated vLLM engine is watched
+        wait_for(lambda: scrape(base).get(("gpuguard_engine_up", (("engine", "vllm-demo"),))) == 1.0,
+                 timeout=30, what="the demo engine up")
+        engine_pids = [p.pid for p in psutil.process_iter(["cmdline"])
+                       if "gpuguard.sim.engines" in " ".join(p.info["cmdline"] or [])]
+        assert engine_pids
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         rest, _ = proc.communicate(timeout=30)
@@ -80,3 +88,6 @@ def test_demo_serves_telemetry_in_base_units_and_stops_on_ctrl_c(tmp_path, wait_
     assert "Traceback" not in out
     assert "gpuguard demo: stopped" in out
     assert not os.path.exists(root)  # unmounted and the temporary folder removed
+    assert "HTTP Request:" not in out  # no per-request log lines
+    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                             for p in engine_pids), timeout=10, what="the demo engine to stop with the demo")

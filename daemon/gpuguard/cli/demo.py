@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "exact kernel errno and OD commits — else a plain directory)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--write-tree", metavar="DIR", default=None, help="only write the simulated host to DIR and exit")
+    p.add_argument("--no-engine", action="store_true", help="don't start the simulated vLLM engine")
     p.set_defaults(func=cmd_demo)
 
 
@@ -45,6 +46,56 @@ def _free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+class DemoEngine:
+    """A simulated vLLM (real HTTP server + EngineCore child process) on the XTX pair,
+    under a stand-in for systemd's Restart=always, kept busy with requests. Stall it
+    (`curl -X POST URL/sim/stall`) and watch the watchdog alert, kill and see it return."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "gpuguard.sim.engines", "--kind", "vllm", "--port", str(self.port), "--slots", "8"]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuguard.sim.engines_restart", "--restart-sec", "2", "--", *cmd],
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    def config(self) -> dict:
+        return {
+            "name": "vllm-demo", "kind": "vllm", "url": self.url, "gpus": ["xtx-0", "xtx-1"],
+            # the engine itself, not the Restart= stand-in whose command line contains it
+            "process": {"cmdline": rf"^\S+ -m gpuguard\.sim\.engines --kind vllm --port {self.port}( |$)"},
+            "stall_after": 10, "poll_interval": 1, "http_timeout": 1, "grace": 3, "action": "kill",
+        }
+
+    def feed(self) -> None:
+        """Keep a few requests in flight (called from the simulator's clock thread)."""
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.url}/metrics", timeout=0.3)
+            running = sum(float(l.split()[-1]) for l in r.text.splitlines() if l.startswith("vllm:num_requests_running"))
+            if running < 3:
+                httpx.post(f"{self.url}/sim/requests", json={"count": 2, "max_tokens": 2000}, timeout=0.3)
+        except (httpx.HTTPError, ValueError):
+            pass  # starting, restarting or stalled: that is what the demo shows
+
+    def stop(self) -> None:
+        import signal as _signal
+
+        try:
+            os.killpg(self.proc.pid, _signal.SIGTERM)
+            self.proc.wait(5)
+        except (ProcessLookupError, OSError):
+            pass
+        except Exception:
+            os.killpg(self.proc.pid, _signal.SIGKILL)
 
 
 class DemoLoad:
@@ -122,6 +173,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         runner = SimRunner(host, interval=0.25, on_step=load)
 
+    engine = None
+    if not args.no_engine and not config.engines and args.config is None:
+        from gpuguard.engines.config import EngineConfig
+
+        engine = DemoEngine()
+        config = config.model_copy(update={"engines": [EngineConfig.model_validate(engine.config())]})
+        feed, step = engine.feed, runner.on_step
+        runner.on_step = lambda: (step(), feed())
+
     listen = config.listen
     port = args.port if args.port is not None else listen.port
     if args.port is None and not _free(listen.address, port):
@@ -156,6 +216,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     f"    gpuguard status --sysfs-root {root}",
                     f"    gpuguard pcie --sysfs-root {root}",
                     f"    gpuguard doctor --sysfs-root {root}",
+                    f"    gpuguard events --api {base}",
+                ]
+                + (
+                    [
+                        f"    gpuguard engines --api {base}",
+                        f"    curl -X POST {engine.url}/sim/stall   # a hung request: watch it get killed and come back",
+                    ]
+                    if engine
+                    else []
+                )
+                + [
                     "  Ctrl-C stops it.",
                     "",
                 ]
@@ -175,6 +246,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return asyncio.run(main())
     finally:
         runner.stop()
+        if engine is not None:
+            engine.stop()
         if mount is not None:
             mount.__exit__(None, None, None)
         if args.dir is None:
