@@ -7,9 +7,9 @@ real open/read/write gets the kernel's errno results and real symlinks.
 As a separate process (tests, demo):
     python -m gpuguard.sim.fuse MOUNTPOINT [--scenario incident] [--seed N]
         [--step-interval 0.5] [--control SOCKET]
-It mounts in the foreground, steps the model in real time, serves the control socket
-(control.py) and unmounts on SIGTERM/SIGINT. Needs /dev/fuse and fusermount3 (Debian
-`fuse3`) and, outside root, `user_allow_other` is not needed (the mount is private).
+It mounts, steps the model in real time, serves the control socket (control.py) and
+unmounts cleanly on SIGTERM/SIGINT/SIGHUP or when unmounted from outside. Needs
+/dev/fuse and fusermount3 (Debian `fuse3`) and, outside root, `user_allow_other` is not needed (the mount is private).
 
 Semantics: direct_io and zero entry/attr/negative timeouts, so every read reaches the
 model (a file that vanished is ENOENT on the next open at once); a read at offset 0
@@ -25,6 +25,7 @@ import errno
 import itertools
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -203,20 +204,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpuguard.sim.fuse: cannot mount: {reason}", file=sys.stderr)
         return 2
     host = build_scenario(args.scenario, args.seed)
+    # Signal handlers before mounting: a SIGTERM at any moment ends in a clean unmount.
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: done.set())
     runner = SimRunner(host, interval=args.step_interval, control_socket=args.control)
     runner.start()
-    os.makedirs(args.mountpoint, exist_ok=True)
-    print(f"gpuguard.sim.fuse: serving {args.scenario} at {args.mountpoint}", flush=True)
     try:
-        mfusepy.FUSE(SimFS(host), args.mountpoint, **_options())   # returns on SIGTERM/unmount
+        with mount(host, args.mountpoint):
+            print(f"gpuguard.sim.fuse: serving {args.scenario} at {args.mountpoint}", flush=True)
+            while not done.wait(0.2):
+                if not os.path.ismount(args.mountpoint):
+                    break            # unmounted from outside (fusermount3 -u)
     except RuntimeError as e:
-        # libfuse's loop reports the signal that ended it as an error (fuse_main → 8);
-        # a clean unmount after SIGTERM/SIGINT/SIGHUP is a normal stop.
-        if os.path.ismount(args.mountpoint):
-            print(f"gpuguard.sim.fuse: FUSE failed: {e}", file=sys.stderr)
-            return 1
+        print(f"gpuguard.sim.fuse: {e}", file=sys.stderr)
+        return 1
     finally:
-        host.release_all()
         runner.stop()
     return 0
 
