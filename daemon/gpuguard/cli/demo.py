@@ -150,9 +150,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     load()
     mount = None
     if not args.tree:
-        from gpuguard.sim.fuse import fuse_available, mount as fuse_mount
-
-        reason = fuse_available()
+        try:
+            from gpuguard.sim.fuse import fuse_available, mount as fuse_mount
+        except ImportError as e:  # mfusepy comes with the [test] extra, not a plain install
+            reason = f"{e.name or 'mfusepy'} is not installed (pip install mfusepy)"
+            fuse_mount = None
+        else:
+            reason = fuse_available()
         if reason:
             print(f"gpuguard demo: FUSE not available ({reason}); serving a plain tree, without profiles "
                   "(a plain directory has no driver to commit OD writes)", file=sys.stderr)
