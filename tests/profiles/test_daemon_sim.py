@@ -13,6 +13,7 @@ import pytest
 
 from gpuguard.profiles.audit import read_audit
 from gpuguard.sim.host import SimHost
+from support import poll_until
 
 REPO = Path(__file__).resolve().parents[2]
 GPUS = {"r9700-a": "0000:05:00.0", "r9700-b": "0000:08:00.0", "xtx-a": "0000:aa:00.0", "xtx-b": "0000:b0:00.0"}
@@ -87,13 +88,7 @@ def verified_gpus(state_dir):
 
 
 def wait_until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return poll_until(cond, timeout, what)
 
 
 def test_run_applies_incident_profiles_before_ready(tmp_path, mount_sim):

@@ -22,20 +22,14 @@ from gpuguard.sinks.auth import AccessPolicy, TokenStore
 from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.state.hub import HostSnapshot, Hub
 from gpuguard.state.snapshot import GpuSnapshot
+from support import poll_until
 
 TOKENS = {"alice": "a" * 8 + "-alice-token-0123456789", "ci": "c" * 8 + "-ci-token-0123456789"}
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
     """Poll `cond` until it returns something truthy; fail naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
+    return poll_until(cond, timeout, what, interval=0.01)
 
 
 def write_token_file(path: Path, tokens: dict[str, str] = TOKENS, mode: int = 0o600) -> Path:

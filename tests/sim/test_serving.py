@@ -6,7 +6,6 @@ import errno
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from gpuguard.sim.control import ControlError, ControlServer, send
 from gpuguard.sim.fuse import fuse_available, mount
 from gpuguard.sim.host import SimHost
 from gpuguard.sim.tree import write_tree
+from support import poll_until
 
 REPO = Path(__file__).resolve().parents[2]
 XTX = "0000:aa:00.0"
@@ -27,12 +27,7 @@ needs_fuse = pytest.mark.skipif(os.geteuid() != 0 or _reason is not None,
 
 
 def wait_for(cond, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    return poll_until(cond, timeout, what)
 
 
 def syscall_errno(fn) -> int:

@@ -26,7 +26,7 @@ from gpuguard.state.events import Event
 
 log = logging.getLogger(__name__)
 
-# Conditions that end when the GPU shows up again (udev add/bind).
+# Conditions that end when the GPU shows up again (a udev add or bind event).
 _CLEARED_BY_APPEARANCE = ("device_lost", "gpu_lost", "gpu_reset_failed", "pcie_link_down")
 
 
