@@ -247,7 +247,7 @@ profiles:
 apply: {drift_check: false}
 kernel: {allow_userspace: true, udev: false, recover_settle_seconds: 0.2}
 """
-    d = start_daemon(sim.mount, cfg)
+    start_daemon(sim.mount, cfg)
     wait_for(lambda: "OD_VDDGFX_OFFSET:\n-100mV" in _od(sim, "0000:aa:00.0"), what="the profile applied at start")
     sim.ctl("reset_gpu", bdf="0000:aa:00.0")  # the card is at stock again
     assert "OD_VDDGFX_OFFSET:\n0mV" in _od(sim, "0000:aa:00.0")
