@@ -177,6 +177,9 @@ class Daemon:
                 self.tasks.append(asyncio.create_task(self.kernel_router.run_udev(monitor), name="udev"))
             except (UdevError, OSError) as e:
                 log.error("udev not watched: %s; late and vanished GPUs are still found by polling", e)
+        from gpuguard.hw import nvml_events
+
+        nvml_events.start(self)  # NVML's Xid events into the same router (issue 18)
 
     def _engine_audit(self, rec: dict) -> None:
         self.audit.record(

@@ -31,6 +31,7 @@ DEFAULT_POLICY: dict[str, list[str]] = {
     "pcie_aer_uncorrected": ["alert"],
     "pcie_link_down": ["alert"],
     "nvidia_xid": ["alert"],
+    "nvidia_ecc_uncorrected": ["alert"],  # from NVML's event set (hw/nvml_events.py)
     "thermal_throttle": ["alert"],
     "oom_kill": ["alert"],
     "hung_task": ["alert"],

@@ -83,6 +83,8 @@ class KernelEventRouter:
         if match is None:
             return None
         event = to_event(record, match, self.gpu_name_for_bdf)
+        if self._seen_elsewhere(event):
+            return None  # NVML's event set reported this Xid first
         self._emit(event, match.clears)
         return event
 
@@ -116,6 +118,27 @@ class KernelEventRouter:
             return event
         self._call("on_device_change", dev)
         return None
+
+    def handle_external(self, event: Event, clears: Iterable[str] = ()) -> Event | None:
+        """An event from another source of the same facts (NVML's event set, issue 18):
+        same kinds, same policy; dropped when the other source already reported it."""
+        if self._seen_elsewhere(event):
+            return None
+        self._emit(event, clears)
+        return event
+
+    def _seen_elsewhere(self, event: Event, window_s: float = 30.0) -> bool:
+        """One Xid (or one loss) seen by both the kernel log and NVML counts once."""
+        if event.kind not in ("nvidia_xid", "device_lost") or event.bdf is None:
+            return False
+        for i, e in enumerate(reversed(self.events)):
+            if i >= 100:
+                break
+            if (e.kind == event.kind and e.bdf == event.bdf and e.source != event.source
+                    and abs(event.time - e.time) <= window_s
+                    and (event.kind != "nvidia_xid" or e.fields.get("xid") == event.fields.get("xid"))):
+                return True
+        return False
 
     def _is_gpu(self, dev: DeviceEvent) -> bool:
         if self.gpu_name_for_bdf is not None and dev.bdf and self.gpu_name_for_bdf(dev.bdf):
