@@ -126,3 +126,30 @@ def test_static_limits_are_read_once_not_every_poll(timeline):
                    "nvmlDeviceGetPcieThroughput"):
         assert static not in calls
     assert calls.count("nvmlDeviceGetFieldValues") == 1
+
+
+SHORT = FIX / "nvml-capture-short.json"  # a second run: 8 s of the same load, for processes
+SHORT_SHA256 = "83f9797a31b29a32a46ab3db0a39aee89abf8ba03973a8089a0f35e3dc4c55d1"
+
+
+def test_per_process_gpu_memory_under_load():
+    assert hashlib.sha256(SHORT.read_bytes()).hexdigest() == SHORT_SHA256
+    tl = NvmlTimeline.load(str(SHORT))
+    idle = _reads(tl, "idle")
+    load = _reads(tl, "load")
+    assert all(s.extra["nvml"]["processes"] == [] for s in idle)
+    # the matmul process: its pid and the memory NVML attributes to it (two 16384² bf16
+    # operands, the result and the CUDA context)
+    assert {p["pid"] for s in load for p in s.extra["nvml"]["processes"]} == {668}
+    used = load[-1].extra["nvml"]["processes"][0]["vram_used_bytes"]
+    assert used == 2795503616 and used < load[-1].vram_used_bytes
+
+
+def test_the_event_watcher_ran_on_the_real_card():
+    """What gpuguard's own watcher printed on the H200: it registered the critical types
+    (65439 & EVENTS_WANTED) and the waits timed out quietly (no Xid on a healthy card)."""
+    from gpuguard.hw import nvml_calls as C
+
+    out = (FIX / "nvml-event-watcher.txt").read_text()
+    assert f"open True {{'0000:00:06.0': {65439 & C.EVENTS_WANTED}}} {{}}" in out
+    assert "waits [None, None, None, None]" in out
