@@ -307,6 +307,45 @@ def engines() -> list[dict]:
     ]
 
 
+def nvidia() -> list[dict]:
+    """NVIDIA health read through NVML (issue 18); empty on amdgpu-only hosts."""
+    return [
+        row("NVIDIA (NVML)"),
+        state_timeline("Throttle reasons active", [target(
+            f"gpuguard_gpu_throttle{{{GPU}}} == 1", "{{gpu}} {{reason}}")], w=12,
+            mappings=state_mapping("no", "active", off_color="green", on_color="orange"),
+            description="Clock-event reasons NVML reports now. sw_power_cap under full load is the card at its "
+                        "cap (the H200 sat there at 700 W); hw_slowdown, hw_thermal, sw_thermal and power_brake "
+                        "are cooling or power trouble (GpuguardGpuThrottledHardware)."),
+        timeseries("Throttled time per reason", [target(
+            f"rate(gpuguard_gpu_throttle_seconds_total{{{GPU}}}[$__rate_interval])", "{{gpu}} {{reason}}")],
+            w=12, unit="percentunit", min_=0,
+            description="Share of wall time spent throttled, per reason (NVML's time-in-state counters)."),
+        timeseries("Power from the energy counter", [target(
+            f"rate(gpuguard_gpu_energy_joules_total{{{GPU}}}[$__rate_interval])", "{{gpu}}")], w=8, unit="watt"),
+        timeseries("Energy per generated token (host)", [target(
+            f"sum by (instance) (rate(gpuguard_gpu_energy_joules_total{{{GPU}}}[$__rate_interval]))"
+            f" / sum by (instance) (rate(gpuguard_engine_generated_tokens_total{{{HOST}}}[$__rate_interval]))",
+            "{{instance}}")], w=8, unit="joule",
+            description="The selected GPUs' energy over all engines' tokens on the host: shown where both are "
+                        "known (select the GPUs the engines use)."),
+        timeseries("Memory errors", [
+            target(f"gpuguard_gpu_ecc_errors_total{{{GPU}}}", "{{gpu}} ECC {{type}} {{scope}}"),
+            target(f"gpuguard_gpu_remapped_rows_total{{{GPU}}}", "{{gpu}} rows remapped {{type}}"),
+            target(f"gpuguard_gpu_row_remap_pending{{{GPU}}}", "{{gpu}} remap pending"),
+            target(f"gpuguard_gpu_row_remap_failure{{{GPU}}}", "{{gpu}} remap FAILED"),
+        ], w=8, description="Uncorrectable ECC and a failed row remap alert (GpuguardGpuEccUncorrectable, "
+                            "GpuguardGpuRowRemapFailure)."),
+        timeseries("PCIe traffic and replays", [
+            target(f"rate(gpuguard_gpu_pcie_tx_bytes_total{{{GPU}}}[$__rate_interval])", "{{gpu}} tx"),
+            target(f"rate(gpuguard_gpu_pcie_rx_bytes_total{{{GPU}}}[$__rate_interval])", "{{gpu}} rx"),
+            target(f"rate(gpuguard_gpu_pcie_replays_total{{{GPU}}}[$__rate_interval])", "{{gpu}} replays/s"),
+        ], w=12, unit="Bps"),
+        table("GPU memory per process", [target(f"gpuguard_gpu_process_vram_used_bytes{{{GPU}}}", instant=True)],
+              w=12, unit="bytes"),
+    ]
+
+
 def profiles() -> list[dict]:
     return [
         row("Profiles"),
@@ -365,7 +404,7 @@ def layout(panels: list[dict]) -> list[dict]:
 
 def dashboard() -> dict:
     panels = layout(overview() + power() + temperatures() + clocks() + load_vram() + pcie() + kernel()
-                    + engines() + profiles() + gpuguard_itself())
+                    + engines() + nvidia() + profiles() + gpuguard_itself())
     return {
         "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "Prometheus that scrapes gpuguard",
                       "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}],

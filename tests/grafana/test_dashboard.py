@@ -69,7 +69,7 @@ def test_panel_ids_unique_and_layout_does_not_overlap(dashboard):
 def test_rows_cover_each_concern(dashboard):
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
     assert rows == ["Overview", "Power", "Temperatures", "Clocks and OD settings", "Load and VRAM", "PCIe",
-                    "Kernel events", "Engines", "Profiles", "gpuguard"]
+                    "Kernel events", "Engines", "NVIDIA (NVML)", "Profiles", "gpuguard"]
     titles = {p["title"]: p for p in dashboard["panels"]}
     # INCIDENTS §3: the clock panel carries the OD clock limit next to the clock.
     clock_exprs = [t["expr"] for t in titles["Clocks vs OD clock limit"]["targets"]]

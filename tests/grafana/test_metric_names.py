@@ -14,6 +14,18 @@ EXTRA_NAMES = {
     "gpuguard_gpu_runtime_suspended",
     # Prometheus' own per-target scrape health, used by GpuguardDown.
     "up",
+    # NVIDIA health through NVML (issue 18, sinks/nvml_metrics.py; README "NVIDIA hosts").
+    "gpuguard_gpu_throttle",
+    "gpuguard_gpu_throttle_seconds_total",
+    "gpuguard_gpu_energy_joules_total",
+    "gpuguard_gpu_ecc_errors_total",
+    "gpuguard_gpu_row_remap_pending",
+    "gpuguard_gpu_row_remap_failure",
+    "gpuguard_gpu_remapped_rows_total",
+    "gpuguard_gpu_pcie_replays_total",
+    "gpuguard_gpu_pcie_tx_bytes_total",
+    "gpuguard_gpu_pcie_rx_bytes_total",
+    "gpuguard_gpu_process_vram_used_bytes",
 }
 # METRICS.md metrics the dashboard deliberately leaves out, and why.
 NOT_ON_DASHBOARD = {

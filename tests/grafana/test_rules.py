@@ -29,6 +29,12 @@ CONTRACT_ALERTS = {
     "GpuguardNotPolling",
     "GpuguardPollErrors",
     "GpuguardWebhookFailing",
+    # NVIDIA health through NVML (issue 18)
+    "GpuguardGpuThrottledHardware",
+    "GpuguardGpuEccUncorrectable",
+    "GpuguardGpuRowRemapPending",
+    "GpuguardGpuRowRemapFailure",
+    "GpuguardNvidiaXid",
 }
 
 
@@ -65,7 +71,7 @@ def test_groups_one_per_concern(alert_rules):
     groups = {r["group"] for r in alert_rules}
     assert all(g.startswith("gpuguard-") for g in groups), groups
     assert {"gpuguard-gpu", "gpuguard-kernel", "gpuguard-pcie", "gpuguard-profiles", "gpuguard-thermal",
-            "gpuguard-power", "gpuguard-engines", "gpuguard-caches", "gpuguard-self"} == groups
+            "gpuguard-power", "gpuguard-engines", "gpuguard-caches", "gpuguard-self", "gpuguard-nvidia"} == groups
 
 
 def test_every_rule_is_tested_firing_and_not_firing(alert_rules, alert_tests):

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gpuguard import __version__
+from gpuguard.sinks.nvml_metrics import nvml_families
 from gpuguard.state.hub import Hub
 
 Producer = Callable[[], Iterable[Metric]]
@@ -38,6 +39,7 @@ class HubCollector(Collector):
         build.add_metric([__version__], 1)
         yield build
         yield from self._gpu_families()
+        yield from nvml_families(self.hub.snapshot)  # NVIDIA health through NVML (issue 18)
         errors = CounterMetricFamily(
             "gpuguard_poll_errors", "Values that could not be read, per GPU and source", labels=["gpu", "source"]
         )
