@@ -138,3 +138,29 @@ def test_dry_run_plans_without_writing():
     r = applier(nv).apply(0, "gpu0", A, "p", Profile(power_cap_w=450, mclk_max_mhz=3201), "t", "b", dry_run=True)
     assert r.result == "dry-run" and nv.writes == []
     assert r.planned == ("nvmlDeviceSetPowerManagementLimit(450000)", "nvmlDeviceSetMemoryLockedClocks(2201, 3201)")
+
+
+def test_mixed_host_routes_nvidia_cards_through_nvml_and_the_rest_to_amdgpu():
+    from gpuguard.hw.nvml_profile import VendorApplier, host_nvidia
+    from gpuguard.profiles.apply import CardResult, CardTarget
+
+    class Amd:  # stands for the amdgpu Applier: records which cards reached it
+        def __init__(self):
+            self.seen = []
+
+        def apply(self, target, pname, profile, who, why, dry_run=False):
+            self.seen.append(target.bdf)
+            return CardResult(target.name, target.bdf, pname, "ok", True, "amdgpu")
+
+        reset = None
+
+    nv = FakeNvml([FakeCard(B, "GPU-b")])
+    amd = Amd()
+    va = VendorApplier(amd, applier(nv), NvmlSource(nv).discover())
+    r_amd = va.apply(CardTarget("r9700", "0000:03:00.0"), "p", Profile(power_cap_w=250), "t", "b")
+    r_nv = va.apply(CardTarget("h200", B), "p", Profile(power_cap_w=450), "t", "b")
+    assert amd.seen == ["0000:03:00.0"] and r_amd.message == "amdgpu"
+    assert r_nv.verified and nv.writes == [(0, "nvmlDeviceSetPowerManagementLimit", (450000,))]
+    assert va.reset(CardTarget("h200", B), "t", "r").readback["power_cap_w"] == 700
+    # a simulated tree never reaches for NVML
+    assert host_nvidia("/tmp/some-sim-tree") == ([], None)

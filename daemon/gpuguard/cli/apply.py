@@ -75,11 +75,16 @@ def cmd_apply(args: argparse.Namespace) -> int:
         return 2
     root = SysfsRoot(args.sysfs_root or config.sysfs_root)
     devices = amdgpu.discover(root)
-    names = assign_names(devices, config.gpus)
+    from gpuguard.hw import nvml_profile
+
+    audit = AuditLog(audit_path(pc.state_dir))
+    nv_devices, nv_applier = nvml_profile.host_nvidia(root.root, audit, pc.apply.retries, pc.apply.backoff_seconds)
+    names = assign_names([*devices, *nv_devices], config.gpus)
     by_key = {**{b: b for b in names}, **{n: b for b, n in names.items()}}
     who = f"cli:{os.environ.get('SUDO_USER') or os.environ.get('USER') or os.getuid()}"
-    applier = Applier(root, audit=AuditLog(audit_path(pc.state_dir)),
-                      retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
+    applier = Applier(root, audit=audit, retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
+    if nv_applier is not None:  # NVIDIA cards through NVML, same table (issue 18)
+        applier = nvml_profile.VendorApplier(applier, nv_applier, nv_devices)
 
     def resolve(keys: list[str]) -> list[str] | None:
         out = []

@@ -342,3 +342,46 @@ async def apply_all(applier: NvmlApplier, discover: Callable[[], Iterable[Any]],
         out.append(await loop.run_in_executor(
             None, lambda d=d, gpu=gpu, prof=prof: applier.apply(d.index, gpu, d.bdf, prof, profiles[prof], who, why)))
     return out
+
+
+class VendorApplier:
+    """`profiles.apply.Applier`'s apply/reset for a mixed host: NVIDIA cards (by PCI
+    address) go through NVML, every other card to the amdgpu applier. Same CardResult,
+    so `gpuguard apply` prints one table for both."""
+
+    def __init__(self, amd: Any, nvml_applier: NvmlApplier, nvidia_devices: Iterable[Any]) -> None:
+        self.amd = amd
+        self.nv = nvml_applier
+        self.devices = {d.bdf: d for d in nvidia_devices}
+
+    def apply(self, target: Any, profile_name: str, profile: Profile, who: str, why: str,
+              dry_run: bool = False) -> CardResult:
+        d = self.devices.get(target.bdf)
+        if d is None:
+            return self.amd.apply(target, profile_name, profile, who, why, dry_run)
+        return self.nv.apply(d.index, target.name, target.bdf, profile_name, profile, who, why, dry_run)
+
+    def reset(self, target: Any, who: str, why: str, dry_run: bool = False) -> CardResult:
+        d = self.devices.get(target.bdf)
+        if d is None:
+            return self.amd.reset(target, who, why, dry_run)
+        return self.nv.reset(d.index, target.name, target.bdf, who, why, dry_run)
+
+
+def host_nvidia(root: str, audit: Callable[[dict], None] | None = None, retries: int = 3,
+                backoff: float = 0.5) -> tuple[list[Any], NvmlApplier | None]:
+    """The host's NVIDIA GPUs and an applier for them: only on the real root (`/`) with
+    nvidia-ml-py and a driver present; otherwise ([], None) — a simulated tree has no NVML."""
+    if root != "/":
+        return [], None
+    from gpuguard.hw.nvml import NvmlSource
+
+    src = NvmlSource.open()
+    if src is None:
+        return [], None
+    try:
+        devices = src.discover()
+    except Exception as e:
+        log.warning("NVIDIA GPUs not listed: NVML discovery failed: %s: %s", _name(e), e)
+        return [], None
+    return devices, NvmlApplier(src.nvml, audit=audit, retries=retries, backoff=backoff)
