@@ -144,6 +144,7 @@ async def run_watcher(watcher: NvmlEventWatcher, emit: Callable[[Event], object]
     if not await loop.run_in_executor(None, watcher.open):
         return
     errors = 0
+    free = True
     try:
         while not stop.is_set():
             try:
@@ -162,8 +163,14 @@ async def run_watcher(watcher: NvmlEventWatcher, emit: Callable[[Event], object]
             bdf = dev.bdf if dev is not None else None
             for ev in events_for(data, bdf, name_for_bdf(bdf) if bdf else None):
                 emit(ev)
+    except asyncio.CancelledError:
+        # cancelled while a worker thread may still sit in nvmlEventSetWait: freeing the
+        # set under it is undefined in NVML; the process is stopping, the driver frees it
+        free = False
+        raise
     finally:
-        watcher.close()
+        if free:
+            watcher.close()
 
 
 def start(daemon: Any) -> None:
