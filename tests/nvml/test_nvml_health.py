@@ -2,7 +2,6 @@
 counter wrapping, and a field failing with a code other than NotSupported."""
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 

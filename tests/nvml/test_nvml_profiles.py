@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 
 from gpuguard.cli.apply import render
 from gpuguard.hw.nvml import NvmlSource
