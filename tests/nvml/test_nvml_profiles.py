@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-
 from gpuguard.cli.apply import render
 from gpuguard.hw.nvml import NvmlSource
 from gpuguard.hw.nvml_profile import NvmlApplier, apply_all
