@@ -1,11 +1,15 @@
 """NVIDIA GPUs through NVML (nvidia-ml-py, extra `nvidia`).
 
 NVML is a C library bound to the real driver, so it is injected: `NvmlSource(nvml)` takes
-the `pynvml` module on a real host, or a `RecordedNvml` that replays the answers captured
-on a real machine (tests/fixtures/nvml/*.json, made with `python -m gpuguard.hw.nvml
---capture FILE`). Telemetry NVML says is "not supported" on a card (fans on a datacenter
-GPU, voltage) is absent, not an error; any other NVML error is an error for that value.
-A lost GPU (NVML_ERROR_GPU_IS_LOST) is `up=False`.
+the `pynvml` module on a real host, or a replay of answers captured on a real machine:
+`hw/nvml_replay.NvmlTimeline` for captures made with `python -m gpuguard.hw.nvml_capture`
+(idle / load / after samples), `RecordedNvml` below for the older one-read captures.
+Telemetry NVML says is "not supported" on a card (fans on a datacenter GPU, retired pages
+on an H200) is absent and listed in `extra["nvml_unsupported"]` with the reason, not an
+error; any other NVML error is an error for that value. A lost GPU
+(NVML_ERROR_GPU_IS_LOST) is `up=False`. Limits that do not change while the driver is
+loaded are read once per card; the health values (hw/nvml_health.py) are one
+field-values call per poll.
 """
 from __future__ import annotations
 
