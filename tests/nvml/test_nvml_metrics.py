@@ -63,3 +63,23 @@ def test_promtool_accepts_the_scrape(tmp_path):
     r = subprocess.run([promtool, "check", "metrics"], input=scrape("load").encode(), capture_output=True, timeout=60)
     # promtool lints (e.g. counters without _total) print on stdout/stderr; errors exit non-zero
     assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+
+
+def test_scrape_rendered_on_the_real_h200():
+    """/metrics as gpuguard rendered it on the H200 with the real driver (pynvml, read
+    only), idle and 8 s into a bf16 matmul load: kept byte for byte."""
+    idle = (FIX / "metrics-h200-idle.txt").read_text()
+    load = (FIX / "metrics-h200-load.txt").read_text()
+    assert value(idle, 'gpuguard_gpu_throttle{gpu="h200",reason="gpu_idle"}') == 1.0
+    assert value(load, 'gpuguard_gpu_throttle{gpu="h200",reason="sw_power_cap"}') == 1.0
+    assert value(load, 'gpuguard_gpu_temperature_celsius{gpu="h200",sensor="mem"}') > value(
+        idle, 'gpuguard_gpu_temperature_celsius{gpu="h200",sensor="mem"}')
+    assert value(load, 'gpuguard_gpu_energy_joules_total{gpu="h200"}') > value(
+        idle, 'gpuguard_gpu_energy_joules_total{gpu="h200"}')
+    assert 'gpuguard_gpu_process_vram_used_bytes{gpu="h200",pid=' in load
+    assert "gpuguard_poll_errors_total{" not in load  # nothing the card lacks counts as an error
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        for text in (idle, load):
+            r = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60)
+            assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
