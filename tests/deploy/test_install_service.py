@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from deploy_harness import REPO
 from gpuguard.config import load_config
 from gpuguard.install.service import MARK
 from gpuguard.sinks.auth import TokenStore

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+from deploy_harness import REPO
 
 
 def _config(path, state, interval: float) -> None:

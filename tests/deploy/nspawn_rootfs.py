@@ -6,8 +6,8 @@ itself — the README's documented path — and boots.
 Built once with mmdebstrap (~100 s, needs the network) and kept under
 /var/cache/gpuguard-test-rootfs/<key>/ where <key> hashes everything that goes into it;
 a changed dependency list builds a new one. Tests never write into it: they boot an
-overlay (tests/deploy/nspawn.py). Run this module to build it ahead of the tests:
-    python3 tests/deploy/rootfs.py
+overlay (tests/deploy/nspawn_machine.py). Run this module to build it ahead of the tests:
+    python3 tests/deploy/nspawn_rootfs.py
 """
 from __future__ import annotations
 
