@@ -3,7 +3,8 @@ hosts, each watching a simulated vLLM, scraped by one Prometheus that loads
 grafana/alerts.yml through deploy/prometheus/prometheus.yml and sends to an Alertmanager
 running deploy/alertmanager/alertmanager.yml. A stall of host A's engine arrives at the
 Alertmanager webhook receiver as GpuguardEngineStalled, labelled with host A's instance,
-routed to the on-call receiver — and nothing about host B.
+routed to the on-call receiver — and nothing about host B. A global Prometheus federating
+the site (deploy/prometheus/federation.yml) sees the series and the alert, site-labelled.
 
 Only the examples' addresses, paths and timers are changed for the test (scrape and
 evaluation every second, group_wait 1 s); labels, rules and routes are the shipped ones."""
@@ -187,5 +188,25 @@ def test_a_stall_on_one_host_reaches_alertmanager_labelled_with_its_instance(tmp
         stalled = {s["metric"]["instance"]: s["value"][1] for s in r["data"]["result"]}
         assert stalled == {a["instance"]: "1", b["instance"]: "0"}
         print(f"\nstall -> Alertmanager webhook: {elapsed:.1f} s")
+
+        # a global Prometheus federating this site (deploy/prometheus/federation.yml) sees
+        # the series and the firing alert, with the site's label
+        glob_port = free_port()
+        fed = yaml.safe_load((REPO / "deploy/prometheus/federation.yml").read_text())
+        fed["global"]["scrape_interval"] = "1s"
+        fed["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{prom_port}"]}]
+        (tmp_path / "federation.yml").write_text(yaml.safe_dump(fed))
+        procs.append(Proc([PROMETHEUS, f"--config.file={tmp_path / 'federation.yml'}",
+                           f"--storage.tsdb.path={tmp_path / 'global-data'}", f"--web.listen-address=127.0.0.1:{glob_port}"],
+                          tmp_path / "global.log"))
+
+        def global_query(q: str) -> list[dict]:
+            r = httpx.get(f"http://127.0.0.1:{glob_port}/api/v1/query", params={"query": q}, timeout=5).json()
+            return [x["metric"] for x in r["data"]["result"]]
+
+        firing = poll_until(lambda: global_query('ALERTS{alertname="GpuguardEngineStalled",alertstate="firing"}'),
+                            timeout=60, interval=0.2, what="the federated alert")
+        assert [(m["instance"], m["site"]) for m in firing] == [(a["instance"], "site-a")]
+        assert {m["instance"] for m in global_query('gpuguard_engine_stalled{site="site-a"}')} == {a["instance"], b["instance"]}
     finally:
         receiver.close()

@@ -16,8 +16,8 @@ then `systemctl daemon-reload` and `systemctl enable [--now] gpuguard.service`
 
 Idempotent: an existing config or token file is never replaced (an operator's edits and
 tokens survive a re-install); the unit is rewritten only when its text differs.
-Uninstall disables and stops the service and removes the unit and the link only if
-install-service wrote them; the config, the tokens and /var/lib/gpuguard are kept.
+Uninstall disables and stops the service and removes the unit only if install-service
+wrote it; the config, the tokens, /var/lib/gpuguard and the command link are kept.
 """
 from __future__ import annotations
 
@@ -179,9 +179,9 @@ def plan_uninstall(root: Path) -> Plan:
             steps.append(Step("keep", unit, why="not written by install-service (no marker line): remove it yourself"))
         if live:
             steps.append(Step("run", argv=("systemctl", "daemon-reload")))
-    link = root / LINK
-    if link.is_symlink() and Path(os.readlink(link)).name == "gpuguard" and os.readlink(link).endswith("/bin/gpuguard"):
-        steps.append(Step("remove", LINK, why="link written by install-service"))
+    # the command link stays: it may be pipx's, and it goes with the venv it points into
+    if os.path.lexists(root / LINK):
+        steps.append(Step("keep", LINK, why="the gpuguard command; remove it together with its venv"))
     for kept in (f"{CONFIG_DIR}/{CONFIG_NAME}", f"{CONFIG_DIR}/{TOKENS_NAME}", "var/lib/gpuguard"):
         if (root / kept).exists():
             steps.append(Step("keep", kept, why="config, tokens and state are kept; remove them yourself if wanted"))
