@@ -1,7 +1,8 @@
 """A minimal Debian bookworm root file system to boot gpuguard's units under a real
-systemd (systemd-nspawn): systemd, python3-venv, and a venv at /opt/gpuguard that already
-holds gpuguard's dependencies (from pyproject.toml), so a test only installs gpuguard
-itself — the README's documented path — and boots.
+systemd (systemd-nspawn): systemd, python3-venv, pipx, and a venv at /opt/gpuguard that
+already holds gpuguard's dependencies (from pyproject.toml; their wheels are kept in
+/var/cache/gpuguard-wheels for pipx), so a test only installs gpuguard itself — the
+README's documented paths — offline, and boots.
 
 Built once with mmdebstrap (~100 s, needs the network) and kept under
 /var/cache/gpuguard-test-rootfs/<key>/ where <key> hashes everything that goes into it;
@@ -25,8 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUGUARD_TEST_ROOTFS_CACHE", "/var/cache/gpuguard-test-rootfs"))
 SUITE = "bookworm"
 MIRROR = os.environ.get("GPUGUARD_TEST_MIRROR", "http://deb.debian.org/debian")
-PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "procps", "util-linux", "iproute2"]
-FORMAT = 1  # bump when the recipe below changes
+PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "pipx", "procps", "util-linux", "iproute2"]
+FORMAT = 2  # bump when the recipe below changes
 
 
 def python_deps() -> list[str]:
@@ -44,9 +45,14 @@ def missing_tools() -> str | None:
     """Why a rootfs cannot be built or booted here, or None."""
     if os.geteuid() != 0:
         return "needs root (systemd-nspawn, mmdebstrap)"
-    for tool, pkg in (("systemd-nspawn", "systemd-container"), ("mmdebstrap", "mmdebstrap")):
+    tools = [("systemd-nspawn", "systemd-container"), ("nsenter", "util-linux")]
+    if cached() is None:
+        tools.append(("mmdebstrap", "mmdebstrap"))  # only to build the rootfs
+    for tool, pkg in tools:
         if shutil.which(tool) is None:
             return f"{tool} not installed (Debian package: {pkg})"
+    if "overlay" not in Path("/proc/filesystems").read_text():
+        return "no overlayfs in this kernel (each test boots an overlay of the cached rootfs)"
     return None
 
 
@@ -79,7 +85,8 @@ def build(log=sys.stderr) -> Path:
             f'chroot "$1" python3 -m venv /opt/gpuguard',
             f'mkdir "$1"/tmp/wheels && cp {wheels}/*.whl "$1"/tmp/wheels/',
             f'chroot "$1" /opt/gpuguard/bin/pip install -q --no-cache-dir --no-index --find-links /tmp/wheels {deps}',
-            'rm -rf "$1"/tmp/wheels',
+            # kept for the offline pipx install (the README's other path)
+            'mv "$1"/tmp/wheels "$1"/var/cache/gpuguard-wheels',
             # no getty/resolved noise; the machine id is made at first boot
             'rm -f "$1"/etc/machine-id; touch "$1"/etc/machine-id',
             'chroot "$1" systemctl mask console-getty.service getty@tty1.service systemd-networkd.service '
@@ -93,6 +100,10 @@ def build(log=sys.stderr) -> Path:
         shutil.rmtree(wheels, ignore_errors=True)
         (tmp / ".complete").write_text(json.dumps({"packages": PACKAGES, "python": python_deps()}) + "\n")
         os.replace(tmp, final)
+        for old in CACHE.iterdir():
+            # trees of earlier recipes (ours: they carry the marker) would only take disk
+            if old != final and (old / ".complete").exists():
+                shutil.rmtree(old, ignore_errors=True)
         return final
 
 

@@ -84,6 +84,8 @@ def installed(machine):
     assert "write /etc/gpuguard/api-tokens (mode 0600)" in r.stdout and "systemctl enable gpuguard.service" in r.stdout
     assert machine.sh("systemctl is-enabled gpuguard").stdout.strip() == "enabled"
     assert os.readlink(machine.root / "usr/local/bin/gpuguard") == EXE
+    unit = (machine.root / "etc/systemd/system/gpuguard.service").read_text()
+    assert f"\nExecStart={EXE} run --config /etc/gpuguard/gpuguard.yaml\n" in unit  # the venv it ran from
     # a simulated host for the daemon to watch
     machine.sh("/opt/gpuguard/bin/python -c \"from gpuguard.sim.runner import build_scenario; "
                "from gpuguard.sim.tree import write_tree; write_tree(build_scenario('amd-only-r9700'), '/srv/simhost')\"")
@@ -203,7 +205,7 @@ def test_security_exposure_not_worse(machine, installed):
 def test_watchdog_kills_and_restarts_a_frozen_daemon(machine, installed):
     d = machine.root / "etc/systemd/system/gpuguard.service.d"
     d.mkdir(exist_ok=True)
-    (d / "zz-test-watchdog.conf").write_text("[Service]\nWatchdogSec=3\nRestartSec=1\n")
+    (d / "zz-test-watchdog.conf").write_text("[Service]\nWatchdogSec=5\nRestartSec=1\n")
     machine.sh("systemctl daemon-reload && systemctl restart gpuguard")
     pid = main_pid(machine)
     restarts = int(machine.show("gpuguard", "NRestarts")["NRestarts"])
@@ -235,3 +237,23 @@ def test_invalid_config_at_start_is_not_retried(machine, installed):
         cfg.write_text(good)
     machine.sh("systemctl reset-failed gpuguard; systemctl start gpuguard")
     assert machine.show("gpuguard", "ActiveState")["ActiveState"] == "active"
+
+
+def test_uninstall_then_the_pipx_path(machine, installed):
+    r = machine.sh(f"{EXE} uninstall-service")
+    assert "run: systemctl disable --now gpuguard.service" in r.stdout
+    assert "remove /etc/systemd/system/gpuguard.service" in r.stdout
+    assert machine.show("gpuguard", "ActiveState", "LoadState") == {"ActiveState": "inactive", "LoadState": "not-found"}
+    assert (machine.root / "etc/gpuguard/gpuguard.yaml").exists() and (machine.root / "var/lib/gpuguard").is_dir()
+    (machine.root / "usr/local/bin/gpuguard").unlink()  # the venv's link; pipx makes its own
+    # The README's pipx path (offline here: the dependencies' wheels are in the rootfs)
+    machine.sh("PIPX_HOME=/opt/pipx PIPX_BIN_DIR=/usr/local/bin PIP_NO_INDEX=1 "
+               "PIP_FIND_LINKS=/var/cache/gpuguard-wheels pipx install /usr/src/gpuguard", timeout=300)
+    r = machine.sh("gpuguard install-service --now")
+    assert "keep /etc/gpuguard/gpuguard.yaml: exists" in r.stdout and "keep /etc/gpuguard/api-tokens" in r.stdout
+    unit = (machine.root / "etc/systemd/system/gpuguard.service").read_text()
+    assert "\nExecStart=/opt/pipx/venvs/gpuguard/bin/gpuguard run --config /etc/gpuguard/gpuguard.yaml\n" in unit
+    s = machine.show("gpuguard", "ActiveState", "StatusText", "ExecMainPID")
+    assert s["ActiveState"] == "active" and s["StatusText"].startswith("2/2 GPUs up")
+    assert "/opt/pipx/venvs/gpuguard/bin/" in machine.sh(f"cat /proc/{s['ExecMainPID']}/cmdline | tr '\\0' ' '").stdout
+    machine.sh("systemctl reload gpuguard")  # the waiting reload from the pipx venv

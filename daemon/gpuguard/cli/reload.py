@@ -33,6 +33,9 @@ def cmd_reload(args: argparse.Namespace) -> int:
     except ProcessLookupError:
         print(f"gpuguard reload: no process {args.pid}", file=sys.stderr)
         return 1
+    except PermissionError:
+        print(f"gpuguard reload: not allowed to signal process {args.pid} (run as root)", file=sys.stderr)
+        return 1
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         doc = read(path)
