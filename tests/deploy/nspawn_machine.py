@@ -55,7 +55,8 @@ class Machine:
             raise AssertionError("systemd-nspawn exited:\n" + self.log_path.read_text()[-3000:])
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                if child.name() == "systemd" and child.cmdline()[:1] in (["/sbin/init"], ["/lib/systemd/systemd"], ["/usr/lib/systemd/systemd"]) or (child.name() == "systemd" and "--system" in child.cmdline()):
+                # the container's PID 1 (a `systemd --user` only appears after boot)
+                if child.name() == "systemd" and "--user" not in child.cmdline():
                     return child.pid
             except psutil.Error:
                 continue

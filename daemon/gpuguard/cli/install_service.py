@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--root", default="/", help="install below DIR (an image or a test root); default /")
     p.add_argument("--exec", dest="executable", default=None,
                    help="the gpuguard the unit runs (default: this installation's bin/gpuguard)")
-    p.add_argument("--now", action="store_true", help="also start it (systemctl enable --now)")
+    p.add_argument("--now", action="store_true", help="also start it (systemctl enable --now; not below --root)")
     p.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
     p.set_defaults(func=cmd_install)
     u = sub.add_parser("uninstall-service", help="stop and disable the service, remove its unit (config is kept)")
