@@ -36,6 +36,7 @@ from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
 from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.sinks.recorder import FlightRecorder
+from gpuguard.sinks.reload_marker import ReloadMarker
 # -- service layer (issue 6): auth, audit, webhooks, sd_notify --
 from gpuguard.sinks.actions import Actions
 from gpuguard.sinks.audit import AuditLog
@@ -103,6 +104,7 @@ class Daemon:
         )
         self.unix_server: _Server | None = None
         self.notify = SystemdNotify()
+        self.reload_marker = ReloadMarker()
         self.stop_event = asyncio.Event()
         self.server: _Server | None = None
         self.tasks: list[asyncio.Task] = []
@@ -279,6 +281,11 @@ class Daemon:
         finally:
             self.notify.ready(summary_line(self.hub))
 
+    def _on_sighup(self) -> None:
+        # `gpuguard reload` (ExecReload=) waits for this record (sinks/reload_marker.py)
+        result = self.reload()
+        self.reload_marker.record(bool(getattr(result, "ok", result)))
+
     async def start_server(self) -> None:
         cfg = uvicorn.Config(
             self.app,
@@ -333,7 +340,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         try:
             try:
                 self.app.state.tokens = TokenStore.load(self.config.api.token_file)
