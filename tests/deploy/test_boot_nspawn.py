@@ -59,7 +59,13 @@ def machine(tmp_path_factory):
     from nspawn_machine import Machine
 
     t0 = time.monotonic()
-    base = rootfs.cached() or rootfs.build()
+    base = rootfs.cached()
+    if base is None:
+        try:
+            base = rootfs.build()
+        except Exception as e:  # a Debian mirror or PyPI out of reach: the host, not gpuguard
+            pytest.skip(f"nspawn boot test: the test rootfs could not be built ({e}); "
+                        "run tests/deploy/nspawn_rootfs.py with network access")
     TIMINGS["rootfs"] = time.monotonic() - t0
     work = tmp_path_factory.mktemp("nspawn")
     t1 = time.monotonic()
