@@ -182,17 +182,26 @@ def aer_findings(g: GpuPath) -> list[Finding]:
 
 
 def pair_findings(report: PcieReport) -> list[Finding]:
+    """One verdict per pair from both directions (gpuguard.hw.pcie_p2p: the kernel's
+    rules); `OK pair` only when each GPU can reach the other's VRAM."""
     out = []
     for p in report.pairs:
         where = f"{p.a} ↔ {p.b}"
         nvlink = bool(report.nvswitches) and all(
             (report.gpu(x) and report.gpu(x).vendor == "10de") for x in (p.a, p.b)
         )
-        if p.p2p == "no" and nvlink:
+        if p.p2p != "yes" and nvlink:
             out.append(Finding("OK", "pair", p.verdict + "; NVSwitch present: NVLink carries GPU peer traffic", where))
-        elif p.p2p == "no":
-            out.append(Finding("WARN", "pair", p.verdict, where,
-                               "for tensor parallelism put both GPUs under one switch; otherwise expect host-memory copies"))
+        elif p.p2p in ("no", "one-way"):
+            small = [d.owner for d in p.directions if d.possible is False and d.reason.startswith("small BAR")]
+            todo = ("amdgpu lets a peer into a card's VRAM only when its BAR covers all of it: enable Above 4G "
+                    "Decoding and Resizable BAR for " + ", ".join(sorted(set(small)))
+                    + " in the BIOS and reboot (INCIDENTS §5)") if small else \
+                "for tensor parallelism put both GPUs under one switch; otherwise expect host-memory copies"
+            out.append(Finding("WARN", "pair", p.verdict, where, todo))
+        elif p.p2p == "maybe":
+            out.append(Finding("WARN", "pair", f"P2P unknown: {p.verdict}", where,
+                               "run gpuguard doctor on the host itself (needs mem_info_* and the host bridge)"))
         else:
             out.append(Finding("OK", "pair", p.verdict, where))
     return out
