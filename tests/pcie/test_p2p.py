@@ -135,3 +135,20 @@ def test_demo_xtx_pair_says_no_citing_the_256_mib_bar(tmp_path):
     p = rep.pair("0000:aa:00.0", "0000:b0:00.0")
     assert p.meet == "switch" and p.p2p == "no"
     assert "256 MiB" in p.verdict and "small BAR" in p.verdict
+
+
+def test_the_daemon_feeds_kernel_refusals_seen_by_the_kmsg_reader_into_the_verdict(make_tree):
+    import asyncio
+
+    from gpuguard.policy.pcie_watch import PcieWatch
+    from gpuguard.state.events import Event
+    from gpuguard.state.hub import Hub
+
+    tree = switch_host(make_tree(), True, True)
+    hub = Hub()
+    watch = PcieWatch(hub, SysfsRoot(str(tree.base)))
+    assert asyncio.run(watch.check_once()).pairs[0].p2p == "yes"
+    line = f"amdgpu {A}: amdgpu: PCIe P2P access from peer device {B} is not supported by the chipset"
+    hub.publish(Event("p2p_unsupported", "warning", "kernel", line, bdf=A))
+    p = asyncio.run(watch.check_once()).pairs[0]
+    assert p.p2p == "one-way" and p.directions[1].possible is False and "kernel refused" in p.directions[1].reason

@@ -7,6 +7,7 @@ writes nothing (DESIGN.md safety rules: the advice never includes unbind, resize
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -59,7 +60,13 @@ def _link_text(speed: float | None, width: int | None) -> str:
     return f"{format_speed(speed)} GT/s x{width if width else '?'}"
 
 
-def link_findings(g: GpuPath) -> list[Finding]:
+LoadHistory = Mapping[tuple[str, str, str], tuple[float, float]]  # (gpu, upper, lower) -> (time, GT/s)
+
+
+def link_findings(g: GpuPath, seen_under_load: LoadHistory = MappingProxyType({})) -> list[Finding]:
+    """A hop is judged by what both ends can and by the GPU's load history: a link seen
+    slow while the GPU worked stays "downgraded under load" while it idles (it is the
+    same hop, the same fault), until it is seen at full speed again."""
     out: list[Finding] = []
     for h in g.hops:
         lk = h.link
@@ -68,6 +75,7 @@ def link_findings(g: GpuPath) -> list[Finding]:
         where = f"{g.bdf} link {short_bdf(lk.upper)}→{short_bdf(lk.lower)}"
         now = _link_text(lk.current_speed_gts, lk.current_width)
         can = _link_text(lk.capable_speed_gts, lk.capable_width)
+        seen = seen_under_load.get((g.bdf, lk.upper, lk.lower))
         if lk.downgraded_width:
             out.append(Finding(
                 "FAIL", "link", f"runs {now}, both ends can {can}: lost lanes ({format_gbps(lk.bytes_per_second)})",
@@ -75,12 +83,20 @@ def link_findings(g: GpuPath) -> list[Finding]:
             ))
         elif g.speed_drop_is_real(lk.current_speed_gts):
             out.append(Finding(
-                "FAIL", "link", f"runs {now} under load, both ends can {can} ({format_gbps(lk.bytes_per_second)} of {format_gbps(lk.capable_bytes_per_second)})",
+                "FAIL", "link", f"downgraded under load: runs {now}, both ends can {can} "
+                f"({format_gbps(lk.bytes_per_second)} of {format_gbps(lk.capable_bytes_per_second)})",
+                where, "set the slot's link speed explicitly in the BIOS, check riser/retimer/cable, reseat (INCIDENTS §4)",
+            ))
+        elif seen is not None:
+            at = time.strftime("%H:%M:%S", time.localtime(seen[0]))
+            out.append(Finding(
+                "FAIL", "link", f"downgraded under load (seen at {at}: {format_speed(seen[1])} GT/s, both ends can {can}); "
+                f"idle now at {now}",
                 where, "set the slot's link speed explicitly in the BIOS, check riser/retimer/cable, reseat (INCIDENTS §4)",
             ))
         else:
             out.append(Finding(
-                "OK", "link", f"runs {now} of {can} while the GPU is idle: link power saving (ASPM / dynamic PCIe)",
+                "OK", "link", f"power-saving while idle: runs {now} of {can} (ASPM / dynamic PCIe)",
                 where, "re-check under load: gpuguard doctor --busy while a job runs",
             ))
     link = g.narrowest_link
@@ -269,8 +285,10 @@ def diagnose(
     report: PcieReport,
     expected: Mapping[str, ExpectedLink] = MappingProxyType({}),
     kernel_lines: Iterable[str] = (),
+    seen_under_load: LoadHistory = MappingProxyType({}),
 ) -> list[Finding]:
-    """Every check, in reading order: host, then each GPU, then pairs, then config."""
+    """Every check, in reading order: host, then each GPU, then pairs, then config.
+    `seen_under_load` is the daemon's memory of links seen slow while their GPU worked."""
     out: list[Finding] = []
     for p in report.problems:
         out.append(Finding("WARN", "host", p, "host"))
@@ -278,7 +296,7 @@ def diagnose(
         out.append(Finding("WARN", "host", "no GPU found (no PCI display-class device of AMD, NVIDIA or Intel)", "host",
                            "check that the cards are seated and powered and that the driver loaded (lspci -k)"))
     for g in report.gpus:
-        out += link_findings(g)
+        out += link_findings(g, seen_under_load)
         out += bar_findings(g)
         out += atomics_findings(g)
         out += aer_findings(g)
