@@ -8,7 +8,7 @@ from gpuguard.hw.pcie_p2p import parse_cpuinfo, refusals
 from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.policy.doctor import diagnose
 
-from .conftest import GIB, MIB, PciTree, amd_gpu_files
+from pcie.conftest import GIB, MIB, PciTree, amd_gpu_files
 
 GEN4 = (16.0, 16)
 A, B = "0000:03:00.0", "0000:04:00.0"

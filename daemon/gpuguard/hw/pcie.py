@@ -62,17 +62,17 @@ from itertools import combinations
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from gpuguard.hw.pci_address import BDF_PATTERN, CANONICAL_RE as BDF_RE, short_bdf
 from gpuguard.hw.pcie_config import AtomicOps, PcieConfig, parse_config
 from gpuguard.hw.pcie_p2p import Cpu, PeerDirection, direction, parse_cpuinfo, path_rule, refusals, summary
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 SCHEMA_VERSION = 1
-BDF_RE = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 ROOT_BUS_RE = re.compile(r"^pci([0-9a-f]{4,}):([0-9a-f]{2})$")
 SPEED_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*GT/s")
 DPM_PCIE_RE = re.compile(r"^\s*\d+:\s*([0-9.]+)\s*GT/s,\s*x(\d+)\b.*\*\s*$", re.M)
 VRAM_LINE_RE = re.compile(r"Detected VRAM RAM=(\d+)M, BAR=(\d+)M")
-LINE_BDF_RE = re.compile(r"\b([0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])\b")
+LINE_BDF_RE = re.compile(rf"\b({BDF_PATTERN})\b")
 
 GPU_VENDORS = {"1002": "AMD", "10de": "NVIDIA", "8086": "Intel"}
 GPU_DRIVERS = {"amdgpu", "nvidia", "nouveau", "radeon", "i915", "xe"}
@@ -124,10 +124,6 @@ def format_speed(gts: float | None) -> str:
 
 def format_gbps(bps: float | None) -> str:
     return "?" if bps is None else f"{bps / 1e9:.2f} GB/s"
-
-
-def short_bdf(bdf: str) -> str:
-    return bdf[5:] if bdf.startswith("0000:") else bdf
 
 
 # ---------------------------------------------------------------- result types

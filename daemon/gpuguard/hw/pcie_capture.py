@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from gpuguard.hw.pcie import is_gpu
+from gpuguard.hw.pci_address import CANONICAL_RE as BDF_RE
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 MAGIC = "# gpuguard pcie capture v1"
 BUS = "/sys/bus/pci/devices"
-BDF_RE = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 ROOT_BUS_RE = re.compile(r"^pci([0-9a-f]{4,}):([0-9a-f]{2})$")
 HEX_ROW_RE = re.compile(r"^ ([0-9a-f]{4,}): ((?:[0-9a-f]{2} ?){1,16})$")
 NO_NEWLINE = "\\ no newline at end of file"

@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from gpuguard.hw.pci_address import BDF_PATTERN
+
 if TYPE_CHECKING:
     from gpuguard.hw.pcie import GpuPath
 
@@ -38,11 +40,9 @@ P2PDMA_WHITELIST = {
 }
 AMD_ZEN_FAMILY = 0x17
 REFUSED_AMDGPU_RE = re.compile(
-    r"\b([0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])\b.*P2P access from peer device "
-    r"([0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]) is not supported", re.I)
+    rf"\b({BDF_PATTERN})\b.*P2P access from peer device ({BDF_PATTERN}) is not supported", re.I)
 REFUSED_P2PDMA_RE = re.compile(
-    r"\b([0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])\b.*cannot be used for peer-to-peer DMA as the "
-    r"client and provider \(([0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])\)", re.I)
+    rf"\b({BDF_PATTERN})\b.*cannot be used for peer-to-peer DMA as the client and provider \(({BDF_PATTERN})\)", re.I)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from gpuguard.hw.pcie import (
     format_speed,
     short_bdf,
 )
+from gpuguard.hw.pci_address import is_canonical
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 from gpuguard.state.events import Event
 
@@ -315,7 +316,7 @@ def events(findings: Iterable[Finding], *, source: str = "pcie") -> list[Event]:
         if f.level == "OK":
             continue
         first = f.where.split(" ", 1)[0]
-        bdf = first if BDF_FULL_RE.match(first) else None
+        bdf = first if is_canonical(first) else None
         out.append(Event(
             kind=f"pcie_{f.check}", severity="alert" if f.level == "FAIL" else "warning", source=source,
             message=f"{f.where}: {f.what}", bdf=bdf, fields={"todo": f.todo},
@@ -326,84 +327,27 @@ def events(findings: Iterable[Finding], *, source: str = "pcie") -> list[Event]:
 # ------------------------------------------------------------ config (expect_link)
 
 
-class ConfigError(ValueError):
-    """The config file's `gpus` section is not usable; the message names file and key."""
-
-
 @dataclass(frozen=True)
-class ExpectedRule:
-    """One `gpus[]` entry with `expect_link`, matched like the root config's GpuMatch: by
-    PCI address, or by PCI id plus the order among cards with that id (by address)."""
-
-    name: str | None
-    bdf: str | None
-    pci_id: str | None
-    index: int
-    expect: "ExpectedLink"
-
-    @property
-    def label(self) -> str:
-        return self.bdf or f"{self.pci_id} #{self.index}"
+class _Identity:
+    bdf: str
+    vendor: str
+    device_id: str
 
 
-def resolve_expected(rules: Iterable[ExpectedRule], report: PcieReport) -> dict[str, "ExpectedLink"]:
-    """{bdf: expectation}; a rule that matches no GPU keeps its label (`1002:744c #1`) as
-    key, so the check reports it as not found."""
+def expected_from_config(entries: Iterable[Any], report: PcieReport) -> dict[str, "ExpectedLink"]:
+    """{bdf: expectation} from the config's `gpus[]` (read by gpuguard.config, the daemon's
+    own loader), naming GPUs exactly as the daemon does (gpuguard.state.identity). An
+    entry that matches no GPU keeps its label (`1002:744c #1`) as key, so the check
+    reports it as not found."""
+    from gpuguard.state.identity import assign_names
+
+    entries = list(entries)
+    names = assign_names([_Identity(g.bdf, g.vendor or "", g.device or "") for g in report.gpus], entries)
     out: dict[str, ExpectedLink] = {}
-    for r in rules:
-        if r.bdf:
-            out[r.bdf] = r.expect
+    for e in entries:
+        if e.expect_link is None:
             continue
-        same = sorted(g.bdf for g in report.gpus if f"{g.vendor}:{g.device}" == r.pci_id)
-        out[same[r.index] if r.index < len(same) else r.label] = r.expect
-    return out
-
-
-BDF_FULL_RE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
-PCI_ID_RE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}$")
-
-
-def load_expected_links(path: str) -> list[ExpectedRule]:
-    """The `expect_link` rules of a gpuguard YAML config (`gpus: [{name, match: {bdf} |
-    {pci_id, index}, expect_link: {gen, width}}]`). Other keys of the file and of each GPU
-    entry belong to other modules and are ignored here."""
-    import yaml
-    from pydantic import ValidationError
-
-    from gpuguard.hw.pcie_expect import ExpectedLink
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    gpus = doc.get("gpus", []) if isinstance(doc, dict) else None
-    if not isinstance(gpus, list):
-        raise ConfigError(f"{path}: key 'gpus' must be a list")
-    out: list[ExpectedRule] = []
-    for i, entry in enumerate(gpus):
-        if not isinstance(entry, dict) or "expect_link" not in entry:
-            continue
-        match = entry.get("match")
-        match = match if isinstance(match, dict) else {}
-        bdf, pci_id, index = match.get("bdf"), match.get("pci_id"), match.get("index", 0)
-        if isinstance(bdf, str) and BDF_FULL_RE.match(bdf.strip()):
-            bdf, pci_id = bdf.strip().lower(), None
-        elif isinstance(pci_id, str) and PCI_ID_RE.match(pci_id.strip()) and isinstance(index, int) and index >= 0:
-            bdf, pci_id = None, pci_id.strip().lower()
-        else:
-            raise ConfigError(
-                f"{path}: gpus[{i}].match: expect_link needs match.bdf (0000:05:00.0) or "
-                "match.pci_id (1002:744c) with an optional index"
-            )
-        try:
-            expect = ExpectedLink.model_validate(entry["expect_link"])
-        except ValidationError as e:
-            err = e.errors()[0]
-            key = ".".join(str(x) for x in err["loc"])
-            where = f"gpus[{i}].expect_link" + (f".{key}" if key else "")
-            raise ConfigError(f"{path}: {where}: {err['msg']}") from None
-        out.append(ExpectedRule(entry.get("name"), bdf, pci_id, index if pci_id else 0, expect))
+        hit = [bdf for bdf, name in names.items() if name == e.name]
+        label = e.match.bdf or f"{e.match.pci_id} #{e.match.index}"
+        out[hit[0] if hit else label] = e.expect_link
     return out
