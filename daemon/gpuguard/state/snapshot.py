@@ -88,6 +88,7 @@ class GpuSnapshot:
     vram_used_bytes: int | None = None
     vram_total_bytes: int | None = None
     vram_visible_bytes: int | None = None
+    vram_reserved_bytes: int | None = None  # NVIDIA: driver/firmware reserve, not in `used` (NVML v2)
     voltages: Mapping[str, float] = field(default_factory=dict)  # rail -> volts
     performance_level: str | None = None
     od: OdState | None = None
@@ -124,6 +125,7 @@ class GpuSnapshot:
             "vram_used_bytes": self.vram_used_bytes,
             "vram_total_bytes": self.vram_total_bytes,
             "vram_visible_bytes": self.vram_visible_bytes,
+            "vram_reserved_bytes": self.vram_reserved_bytes,
             "voltages_volts": dict(self.voltages),
             "performance_level": self.performance_level,
             "od": None
