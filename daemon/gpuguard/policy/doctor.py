@@ -120,7 +120,9 @@ def _role_of(g: GpuPath, bdf: str | None) -> str:
     return h.role.replace("_", " ") if h else "?"
 
 
-def expected_link_findings(report: PcieReport, expected: Mapping[str, ExpectedLink]) -> list[Finding]:
+def expected_link_findings(
+    report: PcieReport, expected: Mapping[str, ExpectedLink], seen_under_load: LoadHistory = MappingProxyType({}),
+) -> list[Finding]:
     out: list[Finding] = []
     for bdf, exp in expected.items():
         g = report.gpu(bdf)
@@ -142,6 +144,10 @@ def expected_link_findings(report: PcieReport, expected: Mapping[str, ExpectedLi
             bad.append(f"capable of only {format_speed(slot.capable_speed_gts)} GT/s")
         elif exp.speed_gts and (slot.current_speed_gts or 0) < exp.speed_gts and g.speed_drop_is_real(slot.current_speed_gts):
             bad.append(f"running {format_speed(slot.current_speed_gts)} GT/s under load")
+        elif exp.speed_gts and (seen := seen_under_load.get((g.bdf, slot.upper, slot.lower))) and seen[1] < exp.speed_gts:
+            # Idle now, but seen slow under load: the same fault, not a recovery.
+            at = time.strftime("%H:%M:%S", time.localtime(seen[0]))
+            bad.append(f"running {format_speed(seen[1])} GT/s under load (seen at {at})")
         if bad:
             out.append(Finding("FAIL", "expect_link", f"expected {want}, link is " + ", ".join(bad), where,
                                "move the card to a slot wired for it, or fix the BIOS link setting; then update expect_link"))
@@ -305,7 +311,7 @@ def diagnose(
         out += hop_read_findings(g)
     out += pair_findings(report)
     out += kernel_findings(list(kernel_lines))
-    out += expected_link_findings(report, expected)
+    out += expected_link_findings(report, expected, seen_under_load)
     return out
 
 
