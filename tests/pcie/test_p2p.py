@@ -31,7 +31,8 @@ def switch_host(tree: PciTree, large_a: bool, large_b: bool, hb: str = "8086:6f0
     return tree
 
 
-def root_port_host(tree: PciTree, hb: str, *, two_complexes: bool = False, cpuinfo: str | None = None) -> PciTree:
+def root_port_host(tree: PciTree, hb: str, *, two_complexes: bool = False, cpuinfo: str | None = None,
+                   nvidia: bool = False) -> PciTree:
     """Two large-BAR cards on separate CPU root ports: traffic goes through the host bridge."""
     rc_b = "pci0000:80" if two_complexes else "pci0000:00"
     tree.add("0000:00:00.0", "pci0000:00", hb, 0x060000)
@@ -40,8 +41,11 @@ def root_port_host(tree: PciTree, hb: str, *, two_complexes: bool = False, cpuin
     for rc, rp, gpu in (("pci0000:00", "0000:00:02.0", "0000:01:00.0"),
                         (rc_b, f"0000:{rc_b[-2:]}:03.0", f"0000:{'81' if two_complexes else '02'}:00.0")):
         tree.add(rp, rc, "8086:6f04", 0x060400, port="root_port", cur=GEN4, max=GEN4)
-        tree.add(gpu, rp, "1002:7551", 0x030000, port="endpoint", cur=GEN4, max=GEN4, driver="amdgpu",
-                 files=gpu_files(True))
+        if nvidia:
+            tree.add(gpu, rp, "10de:2335", 0x030200, port="endpoint", cur=GEN4, max=GEN4, driver="nvidia")
+        else:
+            tree.add(gpu, rp, "1002:7551", 0x030000, port="endpoint", cur=GEN4, max=GEN4, driver="amdgpu",
+                     files=gpu_files(True))
     if cpuinfo is not None:
         (tree.base / "proc").mkdir(exist_ok=True)
         (tree.base / "proc/cpuinfo").write_text(cpuinfo)
@@ -98,6 +102,12 @@ def test_large_bar_cards_across_an_allowed_host_bridge(make_tree):
     assert p.p2p == "yes"
     _, p = only_pair(root_port_host(make_tree(), "8086:2f00", two_complexes=True))
     assert p.p2p == "no" and "only for peers under one host bridge" in p.directions[0].reason
+
+
+def test_nvidia_pair_across_a_refused_host_bridge_is_unknown_not_no(make_tree):
+    # The kernel's p2pdma list binds amdgpu; NVIDIA's driver judges host-bridge P2P itself.
+    _, p = only_pair(root_port_host(make_tree(), "8086:6f00", nvidia=True))
+    assert p.p2p == "maybe" and "nvidia-smi topo -p2p r" in p.directions[0].reason
 
 
 def test_amd_zen_cpu_allows_the_host_bridge_path(make_tree):

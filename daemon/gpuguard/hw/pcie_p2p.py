@@ -18,7 +18,9 @@ The rules (INCIDENTS §5; checked against the kernel sources, not guessed):
   bridges only entries without REQ_SAME_HOST_BRIDGE. ACS redirect on a port of a common
   path also sends traffic through the host bridge; gpuguard does not read ACS control,
   so a kernel refusal line is the final word there.
-Other drivers (NVIDIA) map peers through their own BAR1 logic: only the path rule applies.
+Other drivers (NVIDIA) map peers through their own BAR1 logic and judge host-bridge paths
+themselves (`nvidia-smi topo -p2p r`): for them a host-bridge path the kernel list refuses
+is "unknown", not "no".
 """
 from __future__ import annotations
 
@@ -102,6 +104,7 @@ class PeerDirection:
 class PathRule:
     allowed: bool | None
     reason: str
+    via_host_bridge: bool = True
 
 
 def _size(n: int) -> str:
@@ -121,7 +124,7 @@ def path_rule(a: "GpuPath", b: "GpuPath", host_bridges: Mapping[str, str | None]
             common = ha
         if common is not None:
             what = "root port" if common.role == "root_port" else "switch"
-            return PathRule(True, f"common upstream bridge: {what} {common.bdf} ({common.ids})")
+            return PathRule(True, f"common upstream bridge: {what} {common.bdf} ({common.ids})", False)
     hb_a, hb_b = host_bridges.get(a.root_complex), host_bridges.get(b.root_complex)
     same = a.root_complex == b.root_complex
     where = f"host bridge {hb_a or '?'}" if same else f"host bridges {hb_a or '?'} / {hb_b or '?'} ({a.root_complex} / {b.root_complex})"
@@ -141,9 +144,12 @@ def path_rule(a: "GpuPath", b: "GpuPath", host_bridges: Mapping[str, str | None]
     return PathRule(False, f"through {where}{sockets}: {why}: chipset refuses P2P")
 
 
+def _is_amd(g: "GpuPath") -> bool:
+    return g.driver == "amdgpu" or (g.driver is None and g.vendor == "1002")
+
+
 def _bar_rule(owner: "GpuPath") -> tuple[bool | None, str]:
-    amd = owner.driver == "amdgpu" or (owner.driver is None and owner.vendor == "1002")
-    if not amd:
+    if not _is_amd(owner):
         return True, ""
     lb = owner.large_bar
     if lb is True:
@@ -166,6 +172,10 @@ def direction(reader: "GpuPath", owner: "GpuPath", path: PathRule,
     bar_ok, bar_why = _bar_rule(owner)
     if bar_ok is False:
         return PeerDirection(reader.bdf, owner.bdf, False, bar_why)
+    if path.allowed is False and path.via_host_bridge and not (_is_amd(owner) and _is_amd(reader)):
+        return PeerDirection(reader.bdf, owner.bdf, None,
+                             f"{path.reason} for amdgpu; the NVIDIA driver decides host-bridge P2P itself "
+                             "(nvidia-smi topo -p2p r)")
     if path.allowed is False:
         return PeerDirection(reader.bdf, owner.bdf, False, path.reason)
     if bar_ok is None or path.allowed is None:
