@@ -10,7 +10,6 @@ import asyncio
 from gpuguard.config import load_config
 from gpuguard.daemon import Daemon
 from gpuguard.profiles.api import ProfileActions
-from support import poll_until
 
 XTX = {"xtx-a": "0000:aa:00.0", "xtx-b": "0000:b0:00.0"}
 
