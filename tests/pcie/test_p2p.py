@@ -162,3 +162,32 @@ def test_the_daemon_feeds_kernel_refusals_seen_by_the_kmsg_reader_into_the_verdi
     hub.publish(Event("p2p_unsupported", "warning", "kernel", line, bdf=A))
     p = asyncio.run(watch.check_once()).pairs[0]
     assert p.p2p == "one-way" and p.directions[1].possible is False and "kernel refused" in p.directions[1].reason
+
+
+def test_a_capture_keeps_cpu_0_so_a_replay_judges_pairs_like_the_host(make_tree, tmp_path):
+    from gpuguard.hw.pcie_capture import capture, replay
+
+    zen = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu\n\nprocessor\t: 1\nvendor_id\t: AuthenticAMD\n"
+    tree = root_port_host(make_tree(), "1022:14d8", cpuinfo=zen)
+    capture(SysfsRoot(str(tree.base)), str(tmp_path / "cap.txt"))
+    replay(str(tmp_path / "cap.txt"), str(tmp_path / "replayed"))
+    assert (tmp_path / "replayed/proc/cpuinfo").read_text() == zen.split("\n\n")[0] + "\n"
+    _, live = only_pair(tree)
+    rep = walk(SysfsRoot(str(tmp_path / "replayed")))
+    assert live.p2p == rep.pairs[0].p2p == "yes"
+
+
+def test_doctor_kernel_log_refusal_is_no_longer_an_ok_pair(make_tree, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tree = switch_host(make_tree(), True, True)
+    log = tmp_path / "dmesg.txt"
+    log.write_text(f"[    5.1] amdgpu {B}: amdgpu: PCIe P2P access from peer device {A} is not supported by the chipset\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "daemon"), NO_COLOR="1")
+    p = subprocess.run([sys.executable, "-m", "gpuguard", "doctor", "--sysfs-root", str(tree.base), "--kernel-log", str(log)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    pair = next(ln for ln in p.stdout.splitlines() if " pair " in ln and "↔" in ln)
+    assert pair.startswith("WARN") and "one way" in pair and "kernel refused it" in pair, pair

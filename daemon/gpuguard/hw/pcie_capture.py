@@ -196,6 +196,16 @@ def capture_lines(root: SysfsRoot, *, all_devices: bool = False, note: str = "")
         w.lines.append(f"# note: {note}")
     if uid != 0:
         w.lines.append("# config space beyond 64 bytes needs root: AtomicOps and port types will read as unknown")
+    # CPU 0's block of /proc/cpuinfo: p2pdma allows host-bridge P2P on AMD Zen CPUs, so a
+    # replay must judge GPU pairs as the live host does (gpuguard.hw.pcie_p2p).
+    try:
+        cpu0 = root.read_bytes("/proc/cpuinfo").split(b"\n\n", 1)[0]
+    except SysfsError:
+        cpu0 = b""
+    if cpu0:
+        w.lines.append("# proc/cpuinfo: the first CPU's block only")
+        w.lines.extend(_entries_for_file("proc/cpuinfo", cpu0 + b"\n"))
+        w.files += 1
     for bdf in sorted(device_paths):
         path = device_paths[bdf]
         w.link(f"{BUS}/{bdf}", os.path.relpath(path, BUS))
