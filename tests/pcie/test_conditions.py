@@ -88,3 +88,57 @@ def test_doctor_without_history_calls_an_idle_slow_link_power_saving(tmp_path):
     fs = [f for f in diagnose(SysfsRoot(str(tmp_path / "sim")), walk(SysfsRoot(str(tmp_path / "sim"))),
                               seen_under_load=seen) if f.check == "link" and f.where.startswith(XTX[0])]
     assert fs[0].level == "FAIL" and "downgraded under load (seen at" in fs[0].what
+
+
+def test_the_load_history_survives_a_restart_and_reaches_doctor(tmp_path):
+    """The daemon keeps the links it saw slow under load in its state dir; a restarted
+    daemon and `gpuguard doctor` judge an idle hop by it; a reboot (btime) forgets it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpuguard.policy.link_history import FILE
+
+    host = SimHost(incident_spec())
+    writer = write_tree(host, str(tmp_path / "sim"))
+    root = SysfsRoot(str(tmp_path / "sim"))
+    (tmp_path / "sim/proc").mkdir(exist_ok=True)
+    (tmp_path / "sim/proc/stat").write_text("cpu  1 2 3\nbtime 1000\n")
+    history = str(tmp_path / "state" / FILE)
+    hub = Hub()
+    poller = GpuPoller(hub, [AmdgpuSource(root)], interval=10, timeout=30)
+
+    async def one_check(load: float, watch: PcieWatch):
+        for b in XTX:
+            host.set_load(b, load)
+        host.step(10.0)
+        writer.refresh()
+        await poller.poll_once()
+        return await watch.check_once()
+
+    busy_watch = PcieWatch(hub, root, clock=lambda: 5000.0, history_path=history)
+    asyncio.run(one_check(1.0, busy_watch))
+    saved = json.loads(Path(history).read_text())
+    assert {(e["gpu"], e["gts"]) for e in saved["links"]} == {(XTX[0], 5.0), (XTX[1], 5.0)}
+    restarted = PcieWatch(Hub(), root, clock=lambda: 6000.0, history_path=history)
+    assert set(k[0] for k in restarted.seen_under_load) == set(XTX)
+    poller.close()
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "daemon"), NO_COLOR="1")
+    for b in XTX:
+        host.set_load(b, 0.0)
+    host.step(10.0)
+    writer.refresh()
+
+    def doctor(*extra):
+        p = subprocess.run([sys.executable, "-m", "gpuguard", "doctor", "--sysfs-root", str(tmp_path / "sim"), *extra],
+                           env=env, capture_output=True, text=True, timeout=120)
+        return [ln for ln in p.stdout.splitlines() if " link " in ln and XTX[0] in ln]
+
+    assert all(ln.startswith("OK") and "power-saving while idle" in ln for ln in doctor())
+    seen = doctor("--history", history)
+    assert seen and all(ln.startswith("FAIL") and "downgraded under load (seen at" in ln for ln in seen), seen
+    (tmp_path / "sim/proc/stat").write_text("btime 9000\n")  # rebooted since: the link trained again
+    assert all(ln.startswith("OK") for ln in doctor("--history", history))

@@ -17,6 +17,7 @@ from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.policy.conditions import Conditions
 from gpuguard.policy.doctor import Finding, diagnose, events
+from gpuguard.policy.link_history import LinkHistory, boot_time
 from gpuguard.state.hub import Hub
 
 log = logging.getLogger("gpuguard.pcie")
@@ -36,6 +37,7 @@ class PcieWatch:
         kernel_lines: Callable[[], Iterable[str]] | None = None,
         clear_after: int = 2,
         clock: Callable[[], float] = time.time,
+        history_path: str | None = None,
     ) -> None:
         self.hub = hub
         self.root = root
@@ -49,7 +51,7 @@ class PcieWatch:
         hub.on_event(self._kernel_event)
         self.clock = clock
         self.conditions = Conditions(raise_after=1, clear_after=clear_after)
-        self.seen_under_load: dict[tuple[str, str, str], tuple[float, float]] = {}
+        self.history = LinkHistory(history_path, boot_time(root) if history_path else None)
 
     def _inputs(self) -> tuple[dict[str, bool], dict[str, int]]:
         snap = self.hub.snapshot
@@ -64,24 +66,15 @@ class PcieWatch:
         if ev.source == "kernel" and ev.kind in KERNEL_KINDS:
             self._kernel_seen.setdefault(ev.message, ev.message)
 
-    def _remember_load(self, report: PcieReport) -> None:
-        now = self.clock()
-        for g in report.gpus:
-            for h in g.hops:
-                lk = h.link
-                if lk is None or not lk.counts:
-                    continue
-                key = (g.bdf, lk.upper, lk.lower)
-                if not lk.downgraded_speed:
-                    self.seen_under_load.pop(key, None)  # seen at full speed: the fault is gone
-                elif g.busy and lk.current_speed_gts:
-                    self.seen_under_load[key] = (now, lk.current_speed_gts)
+    @property
+    def seen_under_load(self) -> dict[tuple[str, str, str], tuple[float, float]]:
+        return self.history.seen
 
     def _check(self) -> tuple[PcieReport, list[Finding]]:
         busy, vram = self._inputs()
         report = walk(self.root, busy, vram=vram, kernel_lines=list(self.kernel_lines()))
-        self._remember_load(report)
-        return report, diagnose(self.root, report, self.expected(), seen_under_load=dict(self.seen_under_load))
+        self.history.update(report, self.clock())
+        return report, diagnose(self.root, report, self.expected(), seen_under_load=dict(self.history.seen))
 
     async def check_once(self) -> PcieReport | None:
         loop = asyncio.get_running_loop()
