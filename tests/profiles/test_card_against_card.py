@@ -64,6 +64,7 @@ def test_incident_3_replay_card_against_card_then_revert_clears_within_one_poll(
             saved = await api.snapshot_state("xtx-b")  # what the confirm window keeps
             await api.apply_profile("xtx-b", "xtx-1500", "test-token")
             await until(lambda: mismatches(d), "the card-vs-card finding")
+            await until(lambda: any(e.kind == "clock_card_mismatch" for e in events), "its event (debounced: 2 polls)")
             f = mismatches(d)[0]
             assert (f.gpu, f.peer, f.profile) == ("xtx-b", "xtx-a", "xtx-1500")
             assert f.observed_mhz < 1300 and f.reference_mhz > 1700  # §3: ~1233 vs ~1800 MHz

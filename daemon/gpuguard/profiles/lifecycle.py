@@ -46,7 +46,9 @@ class ProfileRuntime:
         )
         self.guard = guard or SafeModeGuard(self.cfg.state_dir, daemon.root, a.safe_mode_window_seconds,
                                             a.safe_mode_after_crashes)
-        self.clock_conditions = Conditions(raise_after=1, clear_after=1)
+        # Debounce: a clock must contradict for two polls in a row before it alerts (a
+        # poll in flight during an apply may read the clock of the old setting once).
+        self.clock_conditions = Conditions(raise_after=2, clear_after=1)
         self.ready = False
         self.safe = False
         self.busy: set[str] = set()
