@@ -31,6 +31,7 @@ from gpuguard.kernel.router import KernelEventRouter
 from gpuguard.kernel.rules import Rules, RulesError
 from gpuguard.kernel.udev import UdevError, UdevMonitor
 from gpuguard.policy.kernel_actions import KernelActions
+from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
 from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
@@ -80,7 +81,8 @@ class Daemon:
             timeout=config.poll.timeout_seconds,
             discover_every=config.poll.discover_seconds,
         )
-        self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds)
+        self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds,
+                              history_path=os.path.join(config.state_dir, PCIE_HISTORY_FILE))
         self.metrics.add_producer(
             PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=lambda: dict(self.poller.names)).collect
         )

@@ -11,11 +11,47 @@ import pytest
 from gpuguard.hw.nvml import NvmlSource, RecordedNvml, normalise_bus_id
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "h200" / "nvml-h200.json"
+# NVML's v1 and v2 memory answers on the same H200 (driver 580.159.04), read on the real
+# host next to `nvidia-smi --query-gpu=memory.used,memory.reserved` (nvidia-smi-memory.csv).
+MEMORY = FIXTURE.with_name("nvml-memory-v1-v2.json")
+
+
+def with_v2(capture: dict) -> dict:
+    """The capture plus the real host's answer to nvmlDeviceGetMemoryInfo(h, nvmlMemory_v2)."""
+    mem = json.loads(MEMORY.read_text())
+    v2 = mem["gpus"][0]["v2"]
+    assert mem["driver"] == capture["driver_version"]  # the same host and driver
+    capture = {**capture, "constants": {**capture["constants"], "nvmlMemory_v2": mem["nvmlMemory_v2"]}}
+    capture["calls"] = [*capture["calls"], {"call": "nvmlDeviceGetMemoryInfo", "args": ["h", mem["nvmlMemory_v2"]],
+                                            "result": {"__struct__": v2}}]
+    return capture
 
 
 @pytest.fixture
 def source() -> NvmlSource:
-    return NvmlSource(RecordedNvml.load(str(FIXTURE)))
+    return NvmlSource(RecordedNvml(with_v2(json.loads(FIXTURE.read_text()))))
+
+
+def test_vram_used_as_nvidia_smi_reports_it_and_the_reserve_apart(source):
+    """Issue 14: v1's `used` counts the driver's reserve (615 MiB on an idle H200);
+    nvidia-smi says 0 MiB used, 616 MiB reserved. gpuguard reads v2 and says the same."""
+    (dev,) = source.discover()
+    snap = source.read(dev, "h200")
+    smi = FIXTURE.with_name("nvidia-smi-memory.csv").read_text().splitlines()[1]
+    assert smi.startswith("0 MiB, 616 MiB")
+    assert snap.vram_used_bytes == 0
+    assert snap.vram_reserved_bytes == 644939776 and round(snap.vram_reserved_bytes / 2**20) == 615
+    assert snap.vram_total_bytes == 150754820096 and "vram_reserved" not in snap.extra["nvml_unsupported"]
+    assert snap.to_dict()["vram_reserved_bytes"] == 644939776
+
+
+def test_without_nvml_v2_used_is_v1s_figure_and_the_reserve_is_named_unknown():
+    src = NvmlSource(RecordedNvml.load(str(FIXTURE)))  # the capture alone: no v2 answer
+    (dev,) = src.discover()
+    snap = src.read(dev, "h200")
+    assert snap.vram_used_bytes == 644939776 and snap.vram_reserved_bytes is None
+    assert "includes the driver's reserve" in snap.extra["nvml_unsupported"]["vram_reserved"]
+    assert "vram_reserved" not in snap.errors  # a missing v2 is not a poll error
 
 
 def test_bus_id_is_normalised_to_sysfs_form():

@@ -130,10 +130,10 @@ def test_doctor_exit_status(incident, make_tree, tmp_path):
     assert not [ln for ln in p.stdout.splitlines() if ln.startswith(("WARN", "FAIL"))]
     # An expected link the GPU does not meet makes it fail.
     cfg = tmp_path / "gpuguard.yaml"
-    cfg.write_text("gpus:\n  - match: {bdf: '0000:01:00.0'}\n    expect_link: {gen: 6, width: 16}\n")
+    cfg.write_text("gpus:\n  - name: h\n    match: {bdf: '0000:01:00.0'}\n    expect_link: {gen: 6, width: 16}\n")
     p = gg("doctor", "--sysfs-root", str(pci_tree.base), "--config", str(cfg), check_rc=2)
     assert "expected 64.0 GT/s x16, link is capable of only 32.0 GT/s" in p.stdout
-    cfg.write_text("gpus:\n  - match: {bdf: '0000:01:00.0'}\n    expect_link: {gen: 'four'}\n")
+    cfg.write_text("gpus:\n  - name: h\n    match: {bdf: '0000:01:00.0'}\n    expect_link: {gen: 'four'}\n")
     p = gg("doctor", "--sysfs-root", str(pci_tree.base), "--config", str(cfg), check_rc=2)
     assert "gpus[0].expect_link.gen" in p.stderr and "Traceback" not in p.stderr
     doc = json.loads(gg("doctor", "--json", "--sysfs-root", str(pci_tree.base), check_rc=0).stdout)

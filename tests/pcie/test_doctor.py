@@ -7,7 +7,8 @@ import pytest
 from gpuguard.hw.pcie import walk
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sysfs import SysfsRoot
-from gpuguard.policy.doctor import ConfigError, diagnose, events, exit_status, load_expected_links, resolve_expected
+from gpuguard.config import ConfigError, load_config
+from gpuguard.policy.doctor import diagnose, events, exit_status, expected_from_config
 
 XTX = ("0000:aa:00.0", "0000:b0:00.0")
 R9700 = ("0000:05:00.0", "0000:08:00.0")
@@ -85,7 +86,9 @@ def test_bar_atomics_aer_pairs(build_incident):
     assert aer[0].level == "WARN" and "3 correctable" in aer[0].what
     pairs = [f for f in fs if f.check == "pair"]
     assert len(pairs) == 6
-    assert [f.level for f in pairs if f.where == f"{XTX[0]} ↔ {XTX[1]}"] == ["OK"]
+    # INCIDENTS §5: under one switch, but 256 MiB BARs: no P2P, and doctor says why.
+    xtx = [f for f in pairs if f.where == f"{XTX[0]} ↔ {XTX[1]}"]
+    assert [f.level for f in xtx] == ["WARN"] and "256 MiB" in xtx[0].what and "Resizable BAR" in xtx[0].todo
 
 
 def test_atomics_unknown_without_root(build_incident):
@@ -119,31 +122,28 @@ def test_no_gpu_is_a_warning():
     assert exit_status(fs) == 1 and "no GPU found" in fs[0].what
 
 
-def test_load_expected_links(tmp_path):
+def test_expected_links_come_from_the_daemons_own_loader(tmp_path, incident):
     good = tmp_path / "g.yaml"
     good.write_text(
-        "poll: {interval: 1}\n"
+        "profiles: {quiet: {power_cap_w: 200}}\n"
         "gpus:\n"
-        "  - match: {bdf: '0000:AA:00.0'}\n    expect_link: {gen: 4, width: 16}\n    profile: quiet\n"
-        "  - match: {bdf: '0000:05:00.0'}\n"
+        "  - name: xtx\n    match: {bdf: 0000:AA:00.0}\n    expect_link: {gen: 4, width: 16}\n    profile: quiet\n"
+        "  - name: r\n    match: {bdf: '05:00.0'}\n"
     )
-    rules = load_expected_links(str(good))
-    assert [(r.bdf, r.expect) for r in rules] == [("0000:aa:00.0", ExpectedLink(gen=4, width=16))]
+    rep = walk(SysfsRoot(str(incident.base)))
+    assert expected_from_config(load_config(good).gpus, rep) == {"0000:aa:00.0": ExpectedLink(gen=4, width=16)}
     bad = tmp_path / "b.yaml"
-    bad.write_text("gpus:\n  - match: {bdf: '0000:aa:00.0'}\n    expect_link: {gen: 9}\n")
-    with pytest.raises(ConfigError, match=r"gpus\[0\]\.expect_link\.gen"):
-        load_expected_links(str(bad))
-    bad.write_text("gpus:\n  - match: {bdf: '0000:aa:00.0'}\n    expect_link: {gen: 4, lanes: 16}\n")
-    with pytest.raises(ConfigError, match=r"expect_link\.lanes"):
-        load_expected_links(str(bad))
-    bad.write_text("gpus:\n  - match: {name: x}\n    expect_link: {gen: 4}\n")
-    with pytest.raises(ConfigError, match=r"gpus\[0\]\.match: expect_link needs match.bdf"):
-        load_expected_links(str(bad))
-    bad.write_text("gpus: [\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
-        load_expected_links(str(bad))
+    for text, msg in (
+        ("gpus:\n  - name: x\n    match: {bdf: '0000:aa:00.0'}\n    expect_link: {gen: 9}\n", r"gpus\[0\]\.expect_link\.gen"),
+        ("gpus:\n  - name: x\n    match: {bdf: '0000:aa:00.0'}\n    expect_link: {gen: 4, lanes: 16}\n", r"expect_link\.lanes"),
+        ("gpus:\n  - name: x\n    match: {name: x}\n    expect_link: {gen: 4}\n", r"gpus\[0\]\.match"),
+        ("gpus: [\n", "not valid YAML"),
+    ):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=msg):
+            load_config(bad)
     with pytest.raises(ConfigError, match="No such file"):
-        load_expected_links(str(tmp_path / "missing.yaml"))
+        load_config(tmp_path / "missing.yaml")
 
 
 def test_expected_link_by_pci_id_and_index(incident, tmp_path):
@@ -155,7 +155,7 @@ def test_expected_link_by_pci_id_and_index(incident, tmp_path):
     )
     root = SysfsRoot(str(incident.base))
     rep = walk(root, {b: True for b in XTX})
-    expected = resolve_expected(load_expected_links(str(cfg)), rep)
+    expected = expected_from_config(load_config(cfg).gpus, rep)
     assert set(expected) == {XTX[1], "1002:744c #9"}  # by address order; #9 does not exist
     fs = diagnose(root, rep, expected)
     assert pick(fs, "expect_link", XTX[1])[0].level == "FAIL"

@@ -95,16 +95,17 @@ def test_pairs_meet_under_the_switch_or_at_host_bridge_8086_6f00(incident):
     assert len(rep.pairs) == 6
     xtx = rep.pair(*XTX)
     assert xtx.meet == "switch" and xtx.at == "0000:a1:00.0" and xtx.at_ids == "1000:c010"
-    assert xtx.p2p == "yes"
+    # INCIDENTS §5: their 256 MiB BARs keep amdgpu's peers out of each card's VRAM.
+    assert xtx.p2p == "no" and "small BAR" in xtx.verdict and "256 MiB" in xtx.verdict
     r = rep.pair(*R9700)
     assert r.meet == "host_bridge" and r.host_bridge == "8086:6f00" and not r.across_root_complexes
-    assert r.p2p == "no" and "host memory only" in r.verdict
+    assert r.p2p == "no" and "chipset refuses P2P" in r.verdict
     for a in R9700:
         for b in XTX:
             p = rep.pair(a, b)
             assert p.meet == "host_bridge" and p.host_bridge == "8086:6f00"
             assert p.across_root_complexes and p.p2p == "no"
-            assert "host memory only" in p.verdict
+            assert "chipset refuses P2P" in p.verdict
     assert rep.host_bridges == {"pci0000:00": "8086:6f00", "pci0000:a0": "8086:6f00"}
 
 
@@ -364,5 +365,7 @@ def test_json_schema_keys_are_stable(incident):
         "limited_by", "downgraded_speed", "downgraded_width", "bytes_per_second", "capable_bytes_per_second",
     }
     assert set(d["pairs"][0]) == {
-        "a", "b", "meet", "at", "at_ids", "host_bridge", "p2p", "across_root_complexes", "across_numa_nodes", "verdict",
+        "a", "b", "meet", "at", "at_ids", "host_bridge", "p2p", "directions", "across_root_complexes",
+        "across_numa_nodes", "verdict",
     }
+    assert set(d["pairs"][0]["directions"][0]) == {"from", "to", "possible", "reason"}

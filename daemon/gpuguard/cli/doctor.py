@@ -10,29 +10,44 @@ import sys
 
 from gpuguard.cli.pcie import add_source_args, load
 from gpuguard.hw.pcie_capture import CaptureError
-from gpuguard.policy.doctor import ConfigError, diagnose, exit_status, load_expected_links, resolve_expected
+from gpuguard.policy.doctor import diagnose, exit_status, expected_from_config
+from gpuguard.policy.link_history import FILE as HISTORY_FILE, boot_time, load as load_history
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="check PCIe links, BARs, P2P, AtomicOps, AER and telemetry; exit non-zero on problems")
     add_source_args(p)
-    p.add_argument("--config", metavar="FILE", help="gpuguard config with gpus[].expect_link")
+    p.add_argument("--config", metavar="FILE",
+                   help="gpuguard config (read by the daemon's own loader) with gpus[].expect_link")
+    p.add_argument("--history", metavar="FILE",
+                   help="the daemon's PCIe load history (default: STATE_DIR/pcie-load-history.json of --config, "
+                        "or /var/lib/gpuguard/ on the real host): a link the daemon saw slow under load is "
+                        "judged 'downgraded under load' even while the GPU idles now")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    try:
-        rules = load_expected_links(args.config) if args.config else []
-    except ConfigError as e:
-        print(f"gpuguard doctor: {e}", file=sys.stderr)
-        return 2
+    entries: list = []
+    state_dir = "/var/lib/gpuguard" if args.sysfs_root == "/" and not args.replay else None
+    if args.config:
+        # One loader for everything (issue 14): what the daemon accepts, doctor accepts.
+        from gpuguard.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config)
+            entries, state_dir = list(cfg.gpus), cfg.state_dir
+        except ConfigError as e:
+            print(f"gpuguard doctor: {e.render()}", file=sys.stderr)
+            return 2
     try:
         src, report, lines = load(args)
     except (CaptureError, OSError) as e:
         print(f"gpuguard doctor: {e}", file=sys.stderr)
         return 2
     try:
-        findings = diagnose(src.root, report, resolve_expected(rules, report), lines)
+        history = args.history or (os.path.join(state_dir, HISTORY_FILE) if state_dir else None)
+        seen = load_history(history, boot_time(src.root)) if history else {}
+        findings = diagnose(src.root, report, expected_from_config(entries, report), lines, seen_under_load=seen)
     finally:
         src.close()
     status = exit_status(findings)

@@ -231,7 +231,7 @@ def render(report: PcieReport, out: TextIO) -> None:
     if report.pairs:
         out.write(st.paint("GPU pairs", "1") + "\n")
         for p in report.pairs:
-            out.write(f"  {p.a} {st.pair} {p.b}  {p.meet:<14} P2P {p.p2p:<5}  {p.verdict}\n")
+            out.write(f"  {p.a} {st.pair} {p.b}  {p.meet:<11} P2P {p.p2p_text:<7}  {p.verdict}\n")
         out.write("\n")
     if report.gpus:
         out.write(st.paint("BARs and AtomicOps", "1") + "\n")

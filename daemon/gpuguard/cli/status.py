@@ -75,6 +75,9 @@ def od_summary(od: dict[str, Any] | None, od_error: str | None) -> str:
     ):
         if key in s:
             parts.append(label.format(int(s[key])))
+    for clk, rows in (od.get("levels") or {}).items():
+        if rows:  # per-level tables (Polaris, Vega10): the top level is what the card boosts to
+            parts.append(f"{clk}≤{rows[-1]['mhz']}@{rows[-1]['mv']}mV")
     return " ".join(parts) or od.get("format", "?")
 
 

@@ -2,27 +2,18 @@
 Unknown keys are errors: a typo must not silently fall back to a default."""
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuguard.engines.config import EngineConfig
+from gpuguard.hw.pci_address import parse_bdf as normalise_bdf, parse_pci_id
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.kernel.config import KernelConfig
 from gpuguard.profiles.schema import ApplyConfig, Profile, assignment_problems
 
 from gpuguard.config.service import ApiConfig, WebhookConfig  # service layer sections (issue 6)
 
-BDF_RE = re.compile(r"^(?:[0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-PCI_ID_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{4}$")
-
-
-def normalise_bdf(value: str) -> str:
-    v = value.strip().lower()
-    if not BDF_RE.match(v):
-        raise ValueError(f"{value!r} is not a PCI address like 0000:05:00.0")
-    return v if v.count(":") == 2 else "0000:" + v
 
 
 class Strict(BaseModel):
@@ -57,12 +48,7 @@ class GpuMatch(Strict):
     @field_validator("pci_id")
     @classmethod
     def _pci_id(cls, v: str | None) -> str | None:
-        if v is None:
-            return None
-        v = v.strip().lower()
-        if not PCI_ID_RE.match(v):
-            raise ValueError(f"{v!r} is not a PCI id like 1002:744c")
-        return v
+        return None if v is None else parse_pci_id(v)
 
     @model_validator(mode="after")
     def _one_way(self) -> "GpuMatch":

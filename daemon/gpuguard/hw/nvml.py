@@ -144,6 +144,38 @@ class NvmlSource:
         self._statics[dev.uuid] = st
         return st
 
+    def _memory(self, h: Any, attempt: Callable[[str, Callable[[], Any]], Any], unsupported: dict[str, str]) -> tuple[Any, int | None]:
+        """(memory info, reserved bytes). NVML v2 (driver >= 510) reports `used` the way
+        nvidia-smi does, without the driver's reserve (0 MiB on an idle H200, where v1
+        says 615 MiB); the reserve is its own figure. Without v2, v1's `used` is all
+        there is, and the reserve is unknown (named in errors), never a zero."""
+        n = self.nvml
+        v2 = getattr(n, "nvmlMemory_v2", None)
+        if isinstance(v2, int):
+            no_v2: list[bool] = []
+
+            def read_v2() -> Any:
+                try:
+                    return n.nvmlDeviceGetMemoryInfo(h, v2)
+                except TypeError:  # an nvidia-ml-py without the version argument
+                    no_v2.append(True)
+                except Exception as e:
+                    if _err_name(e) not in NOT_SUPPORTED_NAMES:
+                        raise
+                    no_v2.append(True)
+                return None
+
+            mem = attempt("vram", read_v2)
+            if not no_v2:
+                return mem, None if mem is None else int(mem.reserved)
+        mem = attempt("vram", lambda: n.nvmlDeviceGetMemoryInfo(h))
+        if mem is not None:
+            # absent with the reason, like every value the card lacks: not a poll error
+            # that would count every second on an older driver
+            unsupported["vram_reserved"] = ("NVML has no v2 memory info here (driver < 510 or old nvidia-ml-py): "
+                                       "VRAM used includes the driver's reserve")
+        return mem, None
+
     def read(self, dev: NvmlDevice, name: str) -> GpuSnapshot:
         n = self.nvml
         errors: dict[str, str] = {}
@@ -189,7 +221,7 @@ class NvmlSource:
             if v is not None:
                 clocks[domain] = float(v) * 1e6
         util = attempt("busy", lambda: n.nvmlDeviceGetUtilizationRates(h))
-        mem = attempt("vram", lambda: n.nvmlDeviceGetMemoryInfo(h))
+        mem, reserved = self._memory(h, attempt, unsupported)
         pstate = attempt("performance_level", lambda: n.nvmlDeviceGetPerformanceState(h))
         health = read_health(n, h, dev, attempt, st, self._counters.setdefault(dev.uuid, {}))
         unsupported.update(health.pop("_unsupported"))
@@ -220,6 +252,7 @@ class NvmlSource:
             busy_ratio=None if util is None else util.gpu / 100.0,
             vram_used_bytes=None if mem is None else int(mem.used),
             vram_total_bytes=None if mem is None else int(mem.total),
+            vram_reserved_bytes=reserved,
             # BAR1 is the CPU-visible window into VRAM on NVIDIA (large BAR when == VRAM).
             vram_visible_bytes=st["bar1_total"],
             performance_level=None if pstate is None else f"P{int(pstate)}",
@@ -338,7 +371,7 @@ def capture(path: str) -> int:
     constants = {
         k: getattr(pynvml, k)
         for k in dir(pynvml)
-        if k.startswith(("NVML_TEMPERATURE", "NVML_CLOCK_")) and isinstance(getattr(pynvml, k), int)
+        if (k.startswith(("NVML_TEMPERATURE", "NVML_CLOCK_")) or k == "nvmlMemory_v2") and isinstance(getattr(pynvml, k), int)
     }
     doc = {
         "driver_version": _encode(pynvml.nvmlSystemGetDriverVersion()),

@@ -43,7 +43,8 @@ JSON schema (`PcieReport.to_dict()`, `gpuguard pcie --json`), version 1:
              "errors": {attribute: reason}}],
    "pairs": [{"a", "b", "meet": "switch"|"root_port"|"host_bridge",
               "at": bdf | "pci0000:00" | "pci0000:00 / pci0000:a0", "at_ids": "vvvv:dddd"|null,
-              "host_bridge": "vvvv:dddd"|null, "p2p": "yes"|"no"|"maybe",
+              "host_bridge": "vvvv:dddd"|null, "p2p": "yes"|"no"|"one-way"|"maybe",
+              "directions": [{"from": bdf, "to": bdf, "possible": bool|null, "reason": str}] (a→b, b→a),
               "across_root_complexes": bool, "across_numa_nodes": bool, "verdict": str}],
    "host_bridges": {"pci0000:00": "8086:6f00"|null},
    "nvswitches": [bdf], "problems": [str]}
@@ -61,24 +62,23 @@ from itertools import combinations
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from gpuguard.hw.pci_address import BDF_PATTERN, CANONICAL_RE as BDF_RE, short_bdf
 from gpuguard.hw.pcie_config import AtomicOps, PcieConfig, parse_config
+from gpuguard.hw.pcie_p2p import Cpu, PeerDirection, direction, parse_cpuinfo, path_rule, refusals, summary
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 SCHEMA_VERSION = 1
-BDF_RE = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 ROOT_BUS_RE = re.compile(r"^pci([0-9a-f]{4,}):([0-9a-f]{2})$")
 SPEED_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*GT/s")
 DPM_PCIE_RE = re.compile(r"^\s*\d+:\s*([0-9.]+)\s*GT/s,\s*x(\d+)\b.*\*\s*$", re.M)
 VRAM_LINE_RE = re.compile(r"Detected VRAM RAM=(\d+)M, BAR=(\d+)M")
-LINE_BDF_RE = re.compile(r"\b([0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])\b")
+LINE_BDF_RE = re.compile(rf"\b({BDF_PATTERN})\b")
 
 GPU_VENDORS = {"1002": "AMD", "10de": "NVIDIA", "8086": "Intel"}
 GPU_DRIVERS = {"amdgpu", "nvidia", "nouveau", "radeon", "i915", "xe"}
 # INCIDENTS §4: every AMD Navi card hides its GPU behind its own switch pair.
 CARD_UPSTREAM_IDS = {("1002", "1478")}
 CARD_DOWNSTREAM_IDS = {("1002", "1479")}
-# INCIDENTS §5: the kernel's p2pdma whitelist refused P2P across root ports of these.
-P2P_REFUSED_HOST_BRIDGES = {"8086:6f00"}
 DOWNSTREAM_FACING = {"root_port", "switch_downstream", "card_downstream"}
 UPSTREAM_FACING = {"switch_upstream", "card_upstream"}
 SWITCH_ROLES = {"switch_upstream", "switch_downstream"}
@@ -124,10 +124,6 @@ def format_speed(gts: float | None) -> str:
 
 def format_gbps(bps: float | None) -> str:
     return "?" if bps is None else f"{bps / 1e9:.2f} GB/s"
-
-
-def short_bdf(bdf: str) -> str:
-    return bdf[5:] if bdf.startswith("0000:") else bdf
 
 
 # ---------------------------------------------------------------- result types
@@ -382,7 +378,8 @@ class GpuPath:
 
 @dataclass(frozen=True)
 class GpuPair:
-    """Where two GPUs' paths meet, and what that means for peer-to-peer traffic."""
+    """Where two GPUs' paths meet, and whether each can reach the other's VRAM
+    peer-to-peer (gpuguard.hw.pcie_p2p: the kernel's rules, per direction)."""
 
     a: str
     b: str
@@ -390,40 +387,47 @@ class GpuPair:
     at: str | None  # bdf of the common port, or the root complex(es)
     at_ids: str | None  # vendor:device of that port
     host_bridge: str | None  # vendor:device of the host bridge(s) involved
-    p2p: str  # yes | no | maybe
+    p2p: str  # yes | no | one-way | maybe
     across_root_complexes: bool = False  # the paths start in different pciDDDD:BB domains
     across_numa_nodes: bool = False  # the GPUs hang off different CPU sockets
+    directions: tuple[PeerDirection, ...] = ()  # (a→b, b→a)
+
+    @property
+    def meeting(self) -> str:
+        if self.meet == "switch":
+            return f"meet under switch {self.at} ({self.at_ids})"
+        if self.meet == "root_port":
+            return f"meet at root port {self.at} ({self.at_ids})"
+        hb = self.host_bridge or "unknown host bridge"
+        if self.across_numa_nodes:
+            return f"meet at host bridges {hb} on different CPU sockets ({self.at})"
+        if self.across_root_complexes:
+            return f"meet at host bridge {hb} across root complexes ({self.at})"
+        return f"meet at host bridge {hb} ({self.at})"
+
+    @property
+    def p2p_text(self) -> str:
+        """`one-way (a→b)` names the direction that works."""
+        if self.p2p == "one-way":
+            ok = next(d for d in self.directions if d.possible)
+            return f"one-way ({short_bdf(ok.reader)}→{short_bdf(ok.owner)})"
+        return self.p2p
 
     @property
     def verdict(self) -> str:
-        if self.meet == "switch":
-            return f"meet under switch {self.at} ({self.at_ids}): P2P without the host bridge"
-        if self.meet == "root_port":
-            return f"meet at root port {self.at} ({self.at_ids}): P2P through the root port"
-        hb = self.host_bridge or "unknown host bridge"
-        if self.across_numa_nodes:
-            return f"meet at host bridges {hb} on different CPU sockets ({self.at}): host memory only"
-        if self.across_root_complexes:
-            if self.p2p == "no":
-                return (
-                    f"meet at host bridge {hb} across root complexes ({self.at}): the kernel "
-                    "refuses P2P on this chipset: host memory only"
-                )
-            return (
-                f"meet at host bridge {hb} across root complexes ({self.at}): P2P only if the "
-                "platform routes it between root complexes, otherwise host memory"
-            )
-        if self.meet == "host_bridge":
-            if self.p2p == "no":
-                return (
-                    f"meet at host bridge {hb} ({self.at}): the kernel refuses P2P on this "
-                    "chipset: host memory only"
-                )
-            return (
-                f"meet at host bridge {hb} ({self.at}): P2P only if the chipset allows it, "
-                "otherwise host memory"
-            )
-        return f"meet at {self.at}: {hb}"
+        if not self.directions:
+            return self.meeting
+        if self.p2p == "yes":
+            return f"{self.meeting}: P2P both ways ({self.directions[0].reason})"
+        if self.p2p == "no" and len({d.reason for d in self.directions}) == 1:
+            return f"{self.meeting}: no P2P: {self.directions[0].reason}"
+        parts = [
+            f"{short_bdf(d.reader)}→{short_bdf(d.owner)} "
+            f"{'yes' if d.possible else 'no' if d.possible is False else 'unknown'}: {d.reason}"
+            for d in self.directions
+        ]
+        head = {"no": "no P2P", "one-way": "P2P one way only", "maybe": "P2P unknown"}[self.p2p]
+        return f"{self.meeting}: {head}; " + "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -434,6 +438,7 @@ class GpuPair:
             "at_ids": self.at_ids,
             "host_bridge": self.host_bridge,
             "p2p": self.p2p,
+            "directions": [d.to_dict() for d in self.directions],
             "across_root_complexes": self.across_root_complexes,
             "across_numa_nodes": self.across_numa_nodes,
             "verdict": self.verdict,
@@ -802,18 +807,23 @@ def _host_bridge(root: SysfsRoot, complex_: str, cache: dict[str, _Device | None
     return f"{dev.vendor}:{dev.device}"
 
 
-def _pair(a: GpuPath, b: GpuPath, host_bridges: Mapping[str, str | None]) -> GpuPair:
+def _pair(
+    a: GpuPath,
+    b: GpuPath,
+    host_bridges: Mapping[str, str | None],
+    cpu: Cpu = Cpu(None, None),
+    refused: Mapping[tuple[str, str], str] = MappingProxyType({}),
+) -> GpuPair:
+    rule = path_rule(a, b, host_bridges, cpu)
+    dirs = (direction(a, b, rule, refused), direction(b, a, rule, refused))
+    p2p = summary(*dirs)
     if a.root_complex != b.root_complex:
         ids = sorted({h for h in (host_bridges.get(a.root_complex), host_bridges.get(b.root_complex)) if h})
-        hb_text = " / ".join(ids) or None
-        # Different root complexes also meet at the host bridge(s). Across CPU sockets, or
-        # on a chipset the kernel refuses (INCIDENTS §5), that means host memory.
         other_socket = a.numa_node is not None and b.numa_node is not None and a.numa_node != b.numa_node
-        refused = bool(ids) and any(i in P2P_REFUSED_HOST_BRIDGES for i in ids)
         return GpuPair(
             a.bdf, b.bdf, "host_bridge", f"{a.root_complex} / {b.root_complex}",
-            None, hb_text, "no" if other_socket or refused else "maybe",
-            across_root_complexes=True, across_numa_nodes=other_socket,
+            None, " / ".join(ids) or None, p2p,
+            across_root_complexes=True, across_numa_nodes=other_socket, directions=dirs,
         )
     common = None
     for ha, hb in zip(a.hops, b.hops):
@@ -822,11 +832,17 @@ def _pair(a: GpuPath, b: GpuPath, host_bridges: Mapping[str, str | None]) -> Gpu
         common = ha
     hb_ids = host_bridges.get(a.root_complex)
     if common is None:
-        p2p = "no" if hb_ids in P2P_REFUSED_HOST_BRIDGES else "maybe"
-        return GpuPair(a.bdf, b.bdf, "host_bridge", a.root_complex, hb_ids, hb_ids, p2p)
-    if common.role == "root_port":
-        return GpuPair(a.bdf, b.bdf, "root_port", common.bdf, common.ids, hb_ids, "yes")
-    return GpuPair(a.bdf, b.bdf, "switch", common.bdf, common.ids, hb_ids, "yes")
+        return GpuPair(a.bdf, b.bdf, "host_bridge", a.root_complex, hb_ids, hb_ids, p2p, directions=dirs)
+    meet = "root_port" if common.role == "root_port" else "switch"
+    return GpuPair(a.bdf, b.bdf, meet, common.bdf, common.ids, hb_ids, p2p, directions=dirs)
+
+
+def read_cpu(root: SysfsRoot) -> Cpu:
+    """CPU 0's vendor and family (p2pdma allows host-bridge P2P on AMD Zen and newer)."""
+    try:
+        return parse_cpuinfo(root.read_text("/proc/cpuinfo"))
+    except SysfsError:
+        return Cpu(None, None)
 
 
 def walk(
@@ -865,7 +881,8 @@ def walk(
             problems.append(f"{bdf}: canonical path {root.realpath('/sys/bus/pci/devices/' + bdf)} has no PCI chain")
             continue
         gpus_dev.append((bdf, chain, complex_))
-    vram_lines = kernel_vram(list(kernel_lines), [b for b, _, _ in gpus_dev])
+    kernel_lines = list(kernel_lines)
+    vram_lines = kernel_vram(kernel_lines, [b for b, _, _ in gpus_dev])
 
     paths: list[GpuPath] = []
     for bdf, chain, complex_ in gpus_dev:
@@ -879,7 +896,9 @@ def walk(
         )
 
     host_bridges = {c: _host_bridge(root, c, cache) for c in sorted({p.root_complex for p in paths})}
-    pairs = tuple(_pair(a, b, host_bridges) for a, b in combinations(paths, 2))
+    cpu = read_cpu(root) if len(paths) > 1 else Cpu(None, None)
+    refused = refusals(kernel_lines)
+    pairs = tuple(_pair(a, b, host_bridges, cpu, refused) for a, b in combinations(paths, 2))
     return PcieReport(tuple(paths), pairs, host_bridges, tuple(nvswitches), tuple(problems))
 
 
@@ -1039,6 +1058,13 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
             yield Sample("gpuguard_gpu_pcie_bottleneck_bytes_per_second", {"gpu": gpu}, bw)
         for b in g.bars:
             yield Sample("gpuguard_gpu_bar_bytes", {"gpu": gpu, "bar": str(b.index)}, float(b.size_bytes))
+    for p in report.pairs:
+        a, b = gpu_names.get(p.a, f"card{p.a}"), gpu_names.get(p.b, f"card{p.b}")
+        for d in p.directions:
+            if d.possible is None:
+                continue  # unknown is left out, never a zero
+            way = "a_to_b" if d.reader == p.a else "b_to_a"
+            yield Sample("gpuguard_gpu_pair_p2p", {"a": a, "b": b, "direction": way}, 1.0 if d.possible else 0.0)
 
 
 METRIC_HELP = {
@@ -1050,6 +1076,7 @@ METRIC_HELP = {
     "gpuguard_gpu_pcie_bottleneck_bytes_per_second": "Usable bandwidth of the GPU's narrowest PCIe hop (bytes/s, per direction)",
     "gpuguard_pcie_aer_errors_total": "PCIe AER errors counted by the kernel per device",
     "gpuguard_gpu_bar_bytes": "Size of a GPU BAR (bytes)",
+    "gpuguard_gpu_pair_p2p": "1 when GPU a (a_to_b) or b (b_to_a) can access the other's VRAM peer-to-peer by the kernel's rules (large BAR of the accessed card, p2pdma path)",
 }
 
 

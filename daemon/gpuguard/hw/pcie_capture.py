@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from gpuguard.hw.pcie import is_gpu
+from gpuguard.hw.pci_address import CANONICAL_RE as BDF_RE
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 MAGIC = "# gpuguard pcie capture v1"
 BUS = "/sys/bus/pci/devices"
-BDF_RE = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 ROOT_BUS_RE = re.compile(r"^pci([0-9a-f]{4,}):([0-9a-f]{2})$")
 HEX_ROW_RE = re.compile(r"^ ([0-9a-f]{4,}): ((?:[0-9a-f]{2} ?){1,16})$")
 NO_NEWLINE = "\\ no newline at end of file"
@@ -196,6 +196,16 @@ def capture_lines(root: SysfsRoot, *, all_devices: bool = False, note: str = "")
         w.lines.append(f"# note: {note}")
     if uid != 0:
         w.lines.append("# config space beyond 64 bytes needs root: AtomicOps and port types will read as unknown")
+    # CPU 0's block of /proc/cpuinfo: p2pdma allows host-bridge P2P on AMD Zen CPUs, so a
+    # replay must judge GPU pairs as the live host does (gpuguard.hw.pcie_p2p).
+    try:
+        cpu0 = root.read_bytes("/proc/cpuinfo").split(b"\n\n", 1)[0]
+    except SysfsError:
+        cpu0 = b""
+    if cpu0:
+        w.lines.append("# proc/cpuinfo: the first CPU's block only")
+        w.lines.extend(_entries_for_file("proc/cpuinfo", cpu0 + b"\n"))
+        w.files += 1
     for bdf in sorted(device_paths):
         path = device_paths[bdf]
         w.link(f"{BUS}/{bdf}", os.path.relpath(path, BUS))

@@ -29,7 +29,7 @@ from types import MappingProxyType
 from typing import AsyncIterator, Callable, Mapping
 
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
-from gpuguard.kernel.rules import normalise_bdf
+from gpuguard.hw.pci_address import normalise_bdf
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Kernel log rules: what a kernel message means. Owns the rule file format (YAML, like
 node-problem-detector's kernel monitor), loading and validating it, PCI address
-normalisation, and `Rules.classify(text) -> Match | None`.
+and `Rules.classify(text) -> Match | None` (PCI addresses: gpuguard.hw.pci_address).
 
 A rule is a kind, a regex, a severity, and whether the kind is a one-off `event` or a
 `condition` that holds (a GPU that fell off the bus stays lost) until cleared. Rules match
@@ -20,6 +20,8 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gpuguard.hw.pci_address import addresses_in, normalise_bdf  # noqa: F401 (re-exported)
+
 
 BUILTIN_KINDS = (
     "gpu_hang", "gpu_reset_start", "gpu_reset_ok", "gpu_reset_failed", "device_lost",
@@ -29,39 +31,9 @@ BUILTIN_KINDS = (
 )
 IGNORE_KIND = "none"
 
-_HEX = "[0-9A-Fa-f]"
-# `dddd:bb:dd.f` with an optional domain; NVRM writes `PCI:dddd:bb:dd` (no function).
-_ADDRESS_RE = re.compile(
-    rf"(?P<nvrm>[Pp][Cc][Ii]:(?P<n_dom>{_HEX}{{4}}):(?P<n_bus>{_HEX}{{2}}):(?P<n_dev>{_HEX}{{2}})(?:\.(?P<n_fn>[0-7]))?)"
-    rf"|(?<![0-9A-Za-z:])(?:(?P<dom>{_HEX}{{4}}):)?(?P<bus>{_HEX}{{2}}):(?P<dev>[01]{_HEX})\.(?P<fn>[0-7])(?![0-9A-Za-z])"
-)
-
-
 class RulesError(ValueError):
     """A rule file is missing, unreadable or invalid. The message names the file, the rule
     (index, line, kind) and the key, and says what to fix."""
-
-
-def normalise_bdf(address: str) -> str | None:
-    """`0000:3B:00.0`, `3b:00.0`, `PCI:0000:3b:00`, `+pci:0000:3b:00.0` → `0000:3b:00.0`;
-    None when `address` holds no PCI address."""
-    found = addresses_in(address)
-    return found[0] if found else None
-
-
-def addresses_in(text: str) -> list[str]:
-    """Every PCI address in `text`, normalised, first occurrence first, without repeats.
-    AER lines name the reporting port first and the erring device second."""
-    out: list[str] = []
-    for m in _ADDRESS_RE.finditer(text):
-        if m.group("nvrm"):
-            bdf = f"{m['n_dom']}:{m['n_bus']}:{m['n_dev']}.{m['n_fn'] or '0'}"
-        else:
-            bdf = f"{m['dom'] or '0000'}:{m['bus']}:{m['dev']}.{m['fn']}"
-        bdf = bdf.lower()
-        if bdf not in out:
-            out.append(bdf)
-    return out
 
 
 class RuleSpec(BaseModel):

@@ -14,11 +14,10 @@ import re
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
-from gpuguard.kernel.rules import normalise_bdf
+from gpuguard.hw.pci_address import bdf_in_path
 
 log = logging.getLogger(__name__)
 
-_BDF_IN_PATH = re.compile(r"/([0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])(?=/|$)")
 _DRM_CARD = re.compile(r"^card\d+$")
 
 
@@ -48,8 +47,7 @@ class DeviceEvent:
 
 def bdf_from_devpath(devpath: str) -> str | None:
     """The deepest PCI address in a device path (`…/0000:03:00.0/drm/card0` → 0000:03:00.0)."""
-    found = _BDF_IN_PATH.findall(devpath)
-    return normalise_bdf(found[-1]) if found else None
+    return bdf_in_path(devpath)
 
 
 def device_event(device: object) -> DeviceEvent:

@@ -7,6 +7,7 @@ writes nothing (DESIGN.md safety rules: the advice never includes unbind, resize
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -18,6 +19,7 @@ from gpuguard.hw.pcie import (
     format_speed,
     short_bdf,
 )
+from gpuguard.hw.pci_address import is_canonical
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 from gpuguard.state.events import Event
 
@@ -59,7 +61,13 @@ def _link_text(speed: float | None, width: int | None) -> str:
     return f"{format_speed(speed)} GT/s x{width if width else '?'}"
 
 
-def link_findings(g: GpuPath) -> list[Finding]:
+LoadHistory = Mapping[tuple[str, str, str], tuple[float, float]]  # (gpu, upper, lower) -> (time, GT/s)
+
+
+def link_findings(g: GpuPath, seen_under_load: LoadHistory = MappingProxyType({})) -> list[Finding]:
+    """A hop is judged by what both ends can and by the GPU's load history: a link seen
+    slow while the GPU worked stays "downgraded under load" while it idles (it is the
+    same hop, the same fault), until it is seen at full speed again."""
     out: list[Finding] = []
     for h in g.hops:
         lk = h.link
@@ -68,6 +76,7 @@ def link_findings(g: GpuPath) -> list[Finding]:
         where = f"{g.bdf} link {short_bdf(lk.upper)}→{short_bdf(lk.lower)}"
         now = _link_text(lk.current_speed_gts, lk.current_width)
         can = _link_text(lk.capable_speed_gts, lk.capable_width)
+        seen = seen_under_load.get((g.bdf, lk.upper, lk.lower))
         if lk.downgraded_width:
             out.append(Finding(
                 "FAIL", "link", f"runs {now}, both ends can {can}: lost lanes ({format_gbps(lk.bytes_per_second)})",
@@ -75,12 +84,20 @@ def link_findings(g: GpuPath) -> list[Finding]:
             ))
         elif g.speed_drop_is_real(lk.current_speed_gts):
             out.append(Finding(
-                "FAIL", "link", f"runs {now} under load, both ends can {can} ({format_gbps(lk.bytes_per_second)} of {format_gbps(lk.capable_bytes_per_second)})",
+                "FAIL", "link", f"downgraded under load: runs {now}, both ends can {can} "
+                f"({format_gbps(lk.bytes_per_second)} of {format_gbps(lk.capable_bytes_per_second)})",
+                where, "set the slot's link speed explicitly in the BIOS, check riser/retimer/cable, reseat (INCIDENTS §4)",
+            ))
+        elif seen is not None:
+            at = time.strftime("%H:%M:%S", time.localtime(seen[0]))
+            out.append(Finding(
+                "FAIL", "link", f"downgraded under load (seen at {at}: {format_speed(seen[1])} GT/s, both ends can {can}); "
+                f"idle now at {now}",
                 where, "set the slot's link speed explicitly in the BIOS, check riser/retimer/cable, reseat (INCIDENTS §4)",
             ))
         else:
             out.append(Finding(
-                "OK", "link", f"runs {now} of {can} while the GPU is idle: link power saving (ASPM / dynamic PCIe)",
+                "OK", "link", f"power-saving while idle: runs {now} of {can} (ASPM / dynamic PCIe)",
                 where, "re-check under load: gpuguard doctor --busy while a job runs",
             ))
     link = g.narrowest_link
@@ -103,7 +120,9 @@ def _role_of(g: GpuPath, bdf: str | None) -> str:
     return h.role.replace("_", " ") if h else "?"
 
 
-def expected_link_findings(report: PcieReport, expected: Mapping[str, ExpectedLink]) -> list[Finding]:
+def expected_link_findings(
+    report: PcieReport, expected: Mapping[str, ExpectedLink], seen_under_load: LoadHistory = MappingProxyType({}),
+) -> list[Finding]:
     out: list[Finding] = []
     for bdf, exp in expected.items():
         g = report.gpu(bdf)
@@ -125,6 +144,10 @@ def expected_link_findings(report: PcieReport, expected: Mapping[str, ExpectedLi
             bad.append(f"capable of only {format_speed(slot.capable_speed_gts)} GT/s")
         elif exp.speed_gts and (slot.current_speed_gts or 0) < exp.speed_gts and g.speed_drop_is_real(slot.current_speed_gts):
             bad.append(f"running {format_speed(slot.current_speed_gts)} GT/s under load")
+        elif exp.speed_gts and (seen := seen_under_load.get((g.bdf, slot.upper, slot.lower))) and seen[1] < exp.speed_gts:
+            # Idle now, but seen slow under load: the same fault, not a recovery.
+            at = time.strftime("%H:%M:%S", time.localtime(seen[0]))
+            bad.append(f"running {format_speed(seen[1])} GT/s under load (seen at {at})")
         if bad:
             out.append(Finding("FAIL", "expect_link", f"expected {want}, link is " + ", ".join(bad), where,
                                "move the card to a slot wired for it, or fix the BIOS link setting; then update expect_link"))
@@ -182,17 +205,26 @@ def aer_findings(g: GpuPath) -> list[Finding]:
 
 
 def pair_findings(report: PcieReport) -> list[Finding]:
+    """One verdict per pair from both directions (gpuguard.hw.pcie_p2p: the kernel's
+    rules); `OK pair` only when each GPU can reach the other's VRAM."""
     out = []
     for p in report.pairs:
         where = f"{p.a} ↔ {p.b}"
         nvlink = bool(report.nvswitches) and all(
             (report.gpu(x) and report.gpu(x).vendor == "10de") for x in (p.a, p.b)
         )
-        if p.p2p == "no" and nvlink:
+        if p.p2p != "yes" and nvlink:
             out.append(Finding("OK", "pair", p.verdict + "; NVSwitch present: NVLink carries GPU peer traffic", where))
-        elif p.p2p == "no":
-            out.append(Finding("WARN", "pair", p.verdict, where,
-                               "for tensor parallelism put both GPUs under one switch; otherwise expect host-memory copies"))
+        elif p.p2p in ("no", "one-way"):
+            small = [d.owner for d in p.directions if d.possible is False and d.reason.startswith("small BAR")]
+            todo = ("amdgpu lets a peer into a card's VRAM only when its BAR covers all of it: enable Above 4G "
+                    "Decoding and Resizable BAR for " + ", ".join(sorted(set(small)))
+                    + " in the BIOS and reboot (INCIDENTS §5)") if small else \
+                "for tensor parallelism put both GPUs under one switch; otherwise expect host-memory copies"
+            out.append(Finding("WARN", "pair", p.verdict, where, todo))
+        elif p.p2p == "maybe":
+            out.append(Finding("WARN", "pair", f"P2P unknown: {p.verdict}", where,
+                               "run gpuguard doctor on the host itself (needs mem_info_* and the host bridge)"))
         else:
             out.append(Finding("OK", "pair", p.verdict, where))
     return out
@@ -260,8 +292,10 @@ def diagnose(
     report: PcieReport,
     expected: Mapping[str, ExpectedLink] = MappingProxyType({}),
     kernel_lines: Iterable[str] = (),
+    seen_under_load: LoadHistory = MappingProxyType({}),
 ) -> list[Finding]:
-    """Every check, in reading order: host, then each GPU, then pairs, then config."""
+    """Every check, in reading order: host, then each GPU, then pairs, then config.
+    `seen_under_load` is the daemon's memory of links seen slow while their GPU worked."""
     out: list[Finding] = []
     for p in report.problems:
         out.append(Finding("WARN", "host", p, "host"))
@@ -269,7 +303,7 @@ def diagnose(
         out.append(Finding("WARN", "host", "no GPU found (no PCI display-class device of AMD, NVIDIA or Intel)", "host",
                            "check that the cards are seated and powered and that the driver loaded (lspci -k)"))
     for g in report.gpus:
-        out += link_findings(g)
+        out += link_findings(g, seen_under_load)
         out += bar_findings(g)
         out += atomics_findings(g)
         out += aer_findings(g)
@@ -277,7 +311,7 @@ def diagnose(
         out += hop_read_findings(g)
     out += pair_findings(report)
     out += kernel_findings(list(kernel_lines))
-    out += expected_link_findings(report, expected)
+    out += expected_link_findings(report, expected, seen_under_load)
     return out
 
 
@@ -288,7 +322,7 @@ def events(findings: Iterable[Finding], *, source: str = "pcie") -> list[Event]:
         if f.level == "OK":
             continue
         first = f.where.split(" ", 1)[0]
-        bdf = first if BDF_FULL_RE.match(first) else None
+        bdf = first if is_canonical(first) else None
         out.append(Event(
             kind=f"pcie_{f.check}", severity="alert" if f.level == "FAIL" else "warning", source=source,
             message=f"{f.where}: {f.what}", bdf=bdf, fields={"todo": f.todo},
@@ -299,84 +333,27 @@ def events(findings: Iterable[Finding], *, source: str = "pcie") -> list[Event]:
 # ------------------------------------------------------------ config (expect_link)
 
 
-class ConfigError(ValueError):
-    """The config file's `gpus` section is not usable; the message names file and key."""
-
-
 @dataclass(frozen=True)
-class ExpectedRule:
-    """One `gpus[]` entry with `expect_link`, matched like the root config's GpuMatch: by
-    PCI address, or by PCI id plus the order among cards with that id (by address)."""
-
-    name: str | None
-    bdf: str | None
-    pci_id: str | None
-    index: int
-    expect: "ExpectedLink"
-
-    @property
-    def label(self) -> str:
-        return self.bdf or f"{self.pci_id} #{self.index}"
+class _Identity:
+    bdf: str
+    vendor: str
+    device_id: str
 
 
-def resolve_expected(rules: Iterable[ExpectedRule], report: PcieReport) -> dict[str, "ExpectedLink"]:
-    """{bdf: expectation}; a rule that matches no GPU keeps its label (`1002:744c #1`) as
-    key, so the check reports it as not found."""
+def expected_from_config(entries: Iterable[Any], report: PcieReport) -> dict[str, "ExpectedLink"]:
+    """{bdf: expectation} from the config's `gpus[]` (read by gpuguard.config, the daemon's
+    own loader), naming GPUs exactly as the daemon does (gpuguard.state.identity). An
+    entry that matches no GPU keeps its label (`1002:744c #1`) as key, so the check
+    reports it as not found."""
+    from gpuguard.state.identity import assign_names
+
+    entries = list(entries)
+    names = assign_names([_Identity(g.bdf, g.vendor or "", g.device or "") for g in report.gpus], entries)
     out: dict[str, ExpectedLink] = {}
-    for r in rules:
-        if r.bdf:
-            out[r.bdf] = r.expect
+    for e in entries:
+        if e.expect_link is None:
             continue
-        same = sorted(g.bdf for g in report.gpus if f"{g.vendor}:{g.device}" == r.pci_id)
-        out[same[r.index] if r.index < len(same) else r.label] = r.expect
-    return out
-
-
-BDF_FULL_RE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
-PCI_ID_RE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{4}$")
-
-
-def load_expected_links(path: str) -> list[ExpectedRule]:
-    """The `expect_link` rules of a gpuguard YAML config (`gpus: [{name, match: {bdf} |
-    {pci_id, index}, expect_link: {gen, width}}]`). Other keys of the file and of each GPU
-    entry belong to other modules and are ignored here."""
-    import yaml
-    from pydantic import ValidationError
-
-    from gpuguard.hw.pcie_expect import ExpectedLink
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    gpus = doc.get("gpus", []) if isinstance(doc, dict) else None
-    if not isinstance(gpus, list):
-        raise ConfigError(f"{path}: key 'gpus' must be a list")
-    out: list[ExpectedRule] = []
-    for i, entry in enumerate(gpus):
-        if not isinstance(entry, dict) or "expect_link" not in entry:
-            continue
-        match = entry.get("match")
-        match = match if isinstance(match, dict) else {}
-        bdf, pci_id, index = match.get("bdf"), match.get("pci_id"), match.get("index", 0)
-        if isinstance(bdf, str) and BDF_FULL_RE.match(bdf.strip()):
-            bdf, pci_id = bdf.strip().lower(), None
-        elif isinstance(pci_id, str) and PCI_ID_RE.match(pci_id.strip()) and isinstance(index, int) and index >= 0:
-            bdf, pci_id = None, pci_id.strip().lower()
-        else:
-            raise ConfigError(
-                f"{path}: gpus[{i}].match: expect_link needs match.bdf (0000:05:00.0) or "
-                "match.pci_id (1002:744c) with an optional index"
-            )
-        try:
-            expect = ExpectedLink.model_validate(entry["expect_link"])
-        except ValidationError as e:
-            err = e.errors()[0]
-            key = ".".join(str(x) for x in err["loc"])
-            where = f"gpus[{i}].expect_link" + (f".{key}" if key else "")
-            raise ConfigError(f"{path}: {where}: {err['msg']}") from None
-        out.append(ExpectedRule(entry.get("name"), bdf, pci_id, index if pci_id else 0, expect))
+        hit = [bdf for bdf, name in names.items() if name == e.name]
+        label = e.match.bdf or f"{e.match.pci_id} #{e.match.index}"
+        out[hit[0] if hit else label] = e.expect_link
     return out

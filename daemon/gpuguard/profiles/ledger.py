@@ -21,22 +21,51 @@ class ProfileLedger:
         self.apply_counts: collections.Counter = collections.Counter()  # (gpu, profile, result)
         self.observed_mhz: dict[str, tuple[str, float]] = {}  # gpu -> (profile, MHz under load)
         self.findings: dict[str, list[ClockFinding]] = {}
+        # The profile on each card now, by the last verified write (None: stock or unknown);
+        # a confirm-window revert ("restore") puts back the one before.
+        self.in_effect: dict[str, str | None] = {}
+        self._before: dict[str, str | None] = {}
         self.safe_mode: str | None = None
         self.wait_message: str | None = None
 
     def record(self, r: CardResult) -> None:
         with self._lock:
-            if r.result != "dry-run":
-                self.results[r.gpu] = r
-                self.apply_counts[(r.gpu, r.profile, METRIC_RESULT.get(r.result, "error"))] += 1
+            if r.result == "dry-run":
+                return
+            self.results[r.gpu] = r
+            self.apply_counts[(r.gpu, r.profile, METRIC_RESULT.get(r.result, "error"))] += 1
+            if not r.verified:
+                self.in_effect[r.gpu] = None  # what the card holds now is unknown: claim nothing
+            elif r.profile == "restore":
+                self.in_effect[r.gpu] = self._before.pop(r.gpu, None)
+            else:
+                self._before[r.gpu] = self.in_effect.get(r.gpu)
+                self.in_effect[r.gpu] = None if r.profile == "stock" else r.profile
+            # The inputs changed (applied, reverted, reset): no finding outlives its cause;
+            # the next poll judges the card afresh.
+            self.findings = {g: [x for x in fs if x.peer != r.gpu] for g, fs in self.findings.items() if g != r.gpu}
+            self.findings = {g: fs for g, fs in self.findings.items() if fs}
+            self.observed_mhz.pop(r.gpu, None)
+
+    def profile_in_effect(self, gpu: str) -> tuple[bool, str | None]:
+        """(known, profile name): known is False before any write was recorded for `gpu`."""
+        with self._lock:
+            return (gpu in self.in_effect, self.in_effect.get(gpu))
 
     def set_effective(self, observed: Mapping[str, tuple[str, float]], findings: Iterable[ClockFinding]) -> None:
+        """This poll's verdicts. A card not under load now was not judged: its last verdict
+        holds (load swinging idle/busy is not a cause going away); `record` drops it."""
         with self._lock:
-            self.observed_mhz = dict(observed)
             f: dict[str, list[ClockFinding]] = {}
             for x in findings:
                 f.setdefault(x.gpu, []).append(x)
-            self.findings = f
+            held = {g: fs for g, fs in self.findings.items() if g not in observed}
+            self.findings = {**held, **f}
+            self.observed_mhz = {**{g: v for g, v in self.observed_mhz.items() if g not in observed}, **observed}
+
+    def finding_list(self) -> list[ClockFinding]:
+        with self._lock:
+            return [x for fs in self.findings.values() for x in fs]
 
     def unverified(self) -> list[CardResult]:
         with self._lock:
@@ -74,12 +103,18 @@ class ProfileLedger:
                 eff.add_metric([g, p], mhz * 1e6)
             yield eff
             fin = GaugeMetricFamily("gpuguard_profile_effective_finding",
-                                    "1 = the clock under load contradicts the profile or its peers",
+                                    "1 = the clock under load contradicts the profile, or a card of the same model",
                                     labels=["gpu", "profile", "kind"])
+            twins = GaugeMetricFamily("gpuguard_gpu_clock_disagreement",
+                                      "1 = this GPU runs clearly slower under load than `peer`, a card of the same "
+                                      "model at comparable load (INCIDENTS §3)", labels=["gpu", "peer"])
             for g, fs in sorted(self.findings.items()):
                 for x in fs:
                     fin.add_metric([g, x.profile, x.kind], 1.0)
+                    if x.kind == "card_mismatch" and x.peer:
+                        twins.add_metric([g, x.peer], 1.0)
             yield fin
+            yield twins
             safe = GaugeMetricFamily("gpuguard_profiles_safe_mode", "1 = safe mode: no profiles applied")
             safe.add_metric([], 1.0 if self.safe_mode else 0.0)
             yield safe

@@ -25,6 +25,7 @@ from gpuguard.profiles.ledger import ProfileLedger
 from gpuguard.profiles.safemode import SafeModeGuard
 from gpuguard.profiles.schema import Profile, ProfilesConfig
 from gpuguard.profiles.wait import wait_for_gpus
+from gpuguard.policy.conditions import Conditions
 from gpuguard.state.events import Event
 from gpuguard.state.identity import missing_names
 
@@ -45,6 +46,9 @@ class ProfileRuntime:
         )
         self.guard = guard or SafeModeGuard(self.cfg.state_dir, daemon.root, a.safe_mode_window_seconds,
                                             a.safe_mode_after_crashes)
+        # Debounce: a clock must contradict for two polls in a row before it alerts (a
+        # poll in flight during an apply may read the clock of the old setting once).
+        self.clock_conditions = Conditions(raise_after=2, clear_after=1)
         self.ready = False
         self.safe = False
         self.busy: set[str] = set()
@@ -55,6 +59,17 @@ class ProfileRuntime:
     def assigned(self, gpu: str) -> tuple[str, Profile] | None:
         pname = self.cfg.assignments.get(gpu)
         return None if pname is None else (pname, self.cfg.profiles[pname])
+
+    def in_effect(self, gpu: str) -> tuple[str, Profile] | None:
+        """The profile on the card now: the ledger's last verified write (an apply, a
+        revert, a reset); before any, the configured one only where gpuguard does not
+        apply itself (`gpuguard apply` at boot)."""
+        known, pname = self.ledger.profile_in_effect(gpu)
+        if not known:
+            return None if self.cfg.apply.enabled else self.assigned(gpu)
+        if pname is None or pname not in self.cfg.profiles:
+            return None
+        return pname, self.cfg.profiles[pname]
 
     def _publish(self, event: Event | None) -> None:
         if event is not None:
@@ -137,10 +152,19 @@ class ProfileRuntime:
             if self.cfg.apply.enabled and self.cfg.apply.drift_check:
                 self._check_drift(snap)
             if self.cfg.apply.effective_check:
-                assigned = {g.name: self.assigned(g.name) for g in snap.gpus if self.assigned(g.name)}
-                observed, findings = effective_findings(snap.gpus, assigned, self.cfg.apply.effective_busy_ratio,
+                on_card = {g.name: p for g in snap.gpus if (p := self.in_effect(g.name))}
+                observed, findings = effective_findings(snap.gpus, on_card, self.cfg.apply.effective_busy_ratio,
                                                         self.cfg.apply.effective_tolerance_ratio)
-                self.ledger.set_effective({g: (assigned[g][0], mhz) for g, mhz in observed.items()}, findings)
+                self.ledger.set_effective(
+                    {g: (on_card[g][0] if g in on_card else "", mhz) for g, mhz in observed.items()}, findings)
+                # One event when a clock finding starts, one when it ends (issue 14).
+                for ev in self.clock_conditions.update({
+                    (x.gpu, x.kind): Event(f"clock_{x.kind}", "warning", "profiles", x.message, gpu=x.gpu,
+                                           fields={"peer": x.peer, "observed_mhz": round(x.observed_mhz),
+                                                   "reference_mhz": round(x.reference_mhz)})
+                    for x in self.ledger.finding_list()
+                }):
+                    self._publish(ev)
         self._set_view()
         # systemd's STATUS= line (and /v1/status's summary) name unverified GPUs
         self.daemon.hub.notes["profiles"] = self.status_note()

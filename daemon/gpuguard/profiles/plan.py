@@ -156,7 +156,9 @@ def _od_problems(card: str, profile: Profile, od: OdState) -> list[str]:
     have = SUPPORTED.get(od.format, frozenset())
     probs = []
     for k in wanted:
-        if k not in have:
+        if k not in have and od.format in TABLE_FORMATS:
+            probs.append(_table_problem(card, k, getattr(profile, k), od))
+        elif k not in have:
             probs.append(f"{card}: profile setting {k} is not in this card's OD table (format {od.format}); "
                          f"it has {', '.join(sorted(have)) or 'no settable OD values'}")
         elif k == "vddgfx_offset_mv" and od.format == "rdna3-curve":
@@ -167,6 +169,26 @@ def _od_problems(card: str, profile: Profile, od: OdState) -> list[str]:
             probs.append(f"{card}: profile setting {k} is not in this card's OD table (its pp_od_clk_voltage "
                          f"has no such section; the VBIOS does not offer it)")
     return probs
+
+
+TABLE_FORMATS = {"smu7-table": "SMU7 / Polaris", "vega10-table": "Vega10"}
+
+
+def _table_problem(card: str, setting: str, value: int, od: OdState) -> str:
+    """Per-level tables are read and checked, not written (yet): say so, with what the
+    card's own table and OD_RANGE say about the value."""
+    clk = setting.split("_", 1)[0]
+    top = od.top_level(clk) if clk in ("sclk", "mclk") else None
+    rng = od.ranges.get(f"{clk}_level_mhz")
+    notes = []
+    if top:
+        notes.append(f"top {clk.upper()} level {top[0]} MHz @ {top[1]} mV")
+    if rng and setting.endswith("_mhz") and setting != "sclk_offset_mhz":
+        inside = rng.min <= value <= rng.max
+        notes.append(f"{value} MHz is {'inside' if inside else 'outside'} OD_RANGE {clk.upper()} {rng.min}–{rng.max} MHz")
+    return (f"{card}: profile setting {setting}: this card has a per-level OD table ({TABLE_FORMATS[od.format]}, "
+            f"'OD_SCLK: N: <MHz> <mV>'); gpuguard reads and checks it but does not write per-level tables"
+            + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 def _sclk_writes(od: OdState, lo: int | None, hi: int | None) -> list[Write]:

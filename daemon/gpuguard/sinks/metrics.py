@@ -77,6 +77,7 @@ class HubCollector(Collector):
         vused = _g("gpuguard_gpu_vram_used_bytes", "VRAM in use", ["gpu"])
         vtotal = _g("gpuguard_gpu_vram_total_bytes", "VRAM size", ["gpu"])
         vvis = _g("gpuguard_gpu_vram_visible_bytes", "CPU-visible VRAM (equals total with large BAR)", ["gpu"])
+        vres = _g("gpuguard_gpu_vram_reserved_bytes", "VRAM the NVIDIA driver reserves (not in used; NVML v2)", ["gpu"])
         volt = _g("gpuguard_gpu_voltage_volts", "Voltage per rail", ["gpu", "rail"])
         od = _g("gpuguard_gpu_od_setting", "OD setting read back now", ["gpu", "setting"])
         for g in gpus:
@@ -94,6 +95,7 @@ class HubCollector(Collector):
                 (vused, g.vram_used_bytes),
                 (vtotal, g.vram_total_bytes),
                 (vvis, g.vram_visible_bytes),
+                (vres, g.vram_reserved_bytes),
             ):
                 if value is not None:  # unknown is absent, never a zero
                     fam.add_metric([g.name], value)

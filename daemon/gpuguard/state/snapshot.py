@@ -45,6 +45,21 @@ class OdState:
         object.__setattr__(self, "ranges", _frozen(self.ranges))
         object.__setattr__(self, "tables", _frozen(self.tables))
 
+    def levels(self) -> dict[str, list[dict[str, int]]]:
+        """Per-level clock/voltage tables of the older generations (SMU7/Polaris,
+        Vega10: `OD_SCLK: 0: 300MHz 750mV …`), {"sclk": [{"level", "mhz", "mv"}, …]}."""
+        out = {}
+        for clk in ("sclk", "mclk"):
+            rows = self.tables.get(f"{clk}_levels")
+            if rows:
+                out[clk] = [{"level": i, "mhz": mhz, "mv": mv} for i, (mhz, mv) in enumerate(rows)]
+        return out
+
+    def top_level(self, clk: str) -> tuple[int, int] | None:
+        """(MHz, mV) of the highest `clk` level of a per-level table, None without one."""
+        rows = self.tables.get(f"{clk}_levels")
+        return tuple(rows[-1]) if rows else None
+
 
 @dataclass(frozen=True)
 class GpuSnapshot:
@@ -73,6 +88,7 @@ class GpuSnapshot:
     vram_used_bytes: int | None = None
     vram_total_bytes: int | None = None
     vram_visible_bytes: int | None = None
+    vram_reserved_bytes: int | None = None  # NVIDIA: driver/firmware reserve, not in `used` (NVML v2)
     voltages: Mapping[str, float] = field(default_factory=dict)  # rail -> volts
     performance_level: str | None = None
     od: OdState | None = None
@@ -109,6 +125,7 @@ class GpuSnapshot:
             "vram_used_bytes": self.vram_used_bytes,
             "vram_total_bytes": self.vram_total_bytes,
             "vram_visible_bytes": self.vram_visible_bytes,
+            "vram_reserved_bytes": self.vram_reserved_bytes,
             "voltages_volts": dict(self.voltages),
             "performance_level": self.performance_level,
             "od": None
@@ -117,6 +134,7 @@ class GpuSnapshot:
                 "format": self.od.format,
                 "settings": dict(self.od.settings),
                 "ranges": {k: [r.min, r.max] for k, r in self.od.ranges.items()},
+                "levels": self.od.levels(),
             },
             "od_error": self.od_error,
             "errors": dict(self.errors),
