@@ -127,7 +127,7 @@ class GpuSampler:
                 with self._lock:
                     self._errors += 1
                     self.errors_total += 1
-                    self._last_error = str(e) or type(e).__name__
+                    self._last_error = f"{type(e).__name__}: {e}"
             else:
                 with self._lock:
                     self._values.append(w)
