@@ -118,12 +118,17 @@ class PowerWatch:
 
 
 def poller_channels(poller: Any, hub: Hub) -> Callable[[], list[PowerChannel]]:
-    """Channels for the GPUs the poller knows today, lost ones left out. Rebuilt only when
-    the poller's devices or names change (a channel build stats a file or asks NVML)."""
+    """Channels for the GPUs the poller knows today, lost ones left out, and runtime-
+    suspended ones too: the poller does not wake a sleeping card to poll it, and 20 reads a
+    second would wake it or keep it from ever sleeping. Rebuilt only when that set changes
+    (a channel build stats a file or asks NVML)."""
     cache: dict[str, Any] = {"key": None, "channels": []}
 
     def channels() -> list[PowerChannel]:
-        live = {b: sd for b, sd in poller.devices.items() if b not in poller.lost and not hub.is_lost(b)}
+        snap = hub.snapshot
+        asleep = {g.bdf for g in (snap.gpus if snap else ()) if g.runtime_status == "suspended"}
+        live = {b: sd for b, sd in poller.devices.items()
+                if b not in poller.lost and not hub.is_lost(b) and b not in asleep}
         key = tuple(sorted((b, poller.names.get(b, b), sd[1]) for b, sd in live.items()))
         if key != cache["key"]:
             out = []
