@@ -90,6 +90,7 @@ power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, c
         poll_until(daemon_up, timeout=30, what="the daemon")
         alert = poll_until(lambda: events("power_headroom_low"), timeout=90, what="the PSU headroom alert")[0]
         assert alert["severity"] == "alert"
+        assert "PSU headroom low" in httpx.get(f"{base}/v1/status", timeout=5).json()["summary"]
         assert alert["fields"]["host_peak_watts"] >= 975 > alert["fields"]["host_mean_watts"]
         m = metrics(base)
         for gpu in R9700:

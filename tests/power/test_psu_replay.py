@@ -104,7 +104,8 @@ def test_peaks_raise_the_headroom_alert_while_the_averages_look_safe_and_psu_saf
         assert "a power cap alone cannot do it" in a["text"]
         assert a["profile"]["vddgfx_offset_mv"] == -100
         assert -500 <= a["profile"]["sclk_offset_mhz"] < 0
-    # metrics say the same
+    # the one-line status (systemd STATUS=, /v1/status) names it; metrics say the same
+    assert inc.hub.notes["power"].startswith("PSU headroom low: peaks")
     text = inc.metrics.render().decode()
     assert "gpuguard_host_power_headroom_alert 1.0" in text
     assert 'gpuguard_gpu_power_peak_watts{gpu="r9700-a",source="power1_average"}' in text
@@ -124,10 +125,13 @@ def test_peaks_raise_the_headroom_alert_while_the_averages_look_safe_and_psu_saf
         for w in hp.gpus:
             assert w.peak_w < 190, w
     assert "gpuguard_host_power_headroom_alert 0.0" in inc.metrics.render().decode()
+    assert inc.hub.notes["power"] == ""
     # the flight recorder kept the peaks, the verdicts and the raw samples before the alert
     inc.recorder.record_power({}).result()
-    (n_bursts,) = inc.recorder.query("SELECT count(*) FROM power_burst")[0]
-    assert n_bursts >= 20
+    # around the alert: the seconds before it and the ones after it
+    before, after = inc.recorder.query(
+        "SELECT sum(t <= ?), sum(t > ?) FROM power_burst", (alert.time, alert.time))[0]
+    assert before >= 20 and after >= 10
     peaks = inc.recorder.query("SELECT max(peak_w), min(peak_w) FROM power_windows")[0]
     assert peaks[0] > 240 and peaks[1] < 190
     assert inc.recorder.query("SELECT max(alerting), min(alerting) FROM power_host")[0] == (1, 0)

@@ -36,6 +36,10 @@ class PowerWatch:
         self.sampler = sampler or PowerSampler(config.sample_hz, config.burst_seconds, config.cpu_budget_ratio, wall)
         self.budget = PsuBudget(config)
         self.last: HostPower | None = None
+        # raw samples around an alert: the seconds before it at once, the ones after it
+        # as they come, until burst_seconds past the alert
+        self._burst_until = float("-inf")
+        self._burst_done = float("-inf")  # newest sample time already recorded
 
     def configure(self, config: Any) -> None:
         """A reloaded `power:` section: budget numbers at once; a new rate for new threads."""
@@ -53,6 +57,8 @@ class PowerWatch:
         self.hub.set_view(VIEW, hp)
         for e in events:
             self.hub.publish(e)
+        self.hub.notes[VIEW] = (f"PSU headroom low: peaks {hp.host_peak_w:.0f} W of a {hp.limit_w:.0f} W line"
+                                if hp.alerting and hp.host_peak_w is not None and hp.limit_w is not None else "")
         if self.recorder is not None:
             self._record(hp, [e for e in events if e.kind == "power_headroom_low"])
         return hp
@@ -65,9 +71,13 @@ class PowerWatch:
         }
         if alerts:
             # the raw samples of the seconds before the alert: what the supply saw
-            since = hp.time - self.config.burst_seconds
-            rows["power_burst"] = [(t, gpu, w, "power_headroom_low")
-                                   for gpu in sorted(self.sampler.samplers) for t, w in self.sampler.burst(gpu, since)]
+            self._burst_done = hp.time - self.config.burst_seconds
+            self._burst_until = hp.time + self.config.burst_seconds
+        if self._burst_done < self._burst_until:
+            upto = min(hp.time, self._burst_until)
+            rows["power_burst"] = [(t, gpu, w, "power_headroom_low") for gpu in sorted(self.sampler.samplers)
+                                   for t, w in self.sampler.burst(gpu, self._burst_done) if self._burst_done < t <= upto]
+            self._burst_done = upto
         try:
             self.recorder.record_power(rows)
         except Exception as e:  # noqa: BLE001 — a recorder problem never stops the power watch
