@@ -29,9 +29,10 @@ def channel(root, host, bdf, name):
 def two(sim_root):
     host = SimHost.incident(seed=9, xtx=False)
     host.set_load(A, 1.0)
-    host.step(1.0)
+    for _ in range(20):
+        host.step(0.5)
     root = sim_root(host)
-    sampler = PowerSampler(hz=50)
+    sampler = PowerSampler(hz=50, cpu_budget_ratio=0.5)
     yield SimpleNamespace(host=host, root=root, sampler=sampler,
                           channels=[channel(root, host, A, "a"), channel(root, host, B, "b")])
     host.release_all()
