@@ -125,7 +125,7 @@ def test_peaks_raise_the_headroom_alert_while_the_averages_look_safe_and_psu_saf
         hp = inc.watch.on_cycle(None)
         assert hp.host_peak_w < hp.limit_w
         for w in hp.gpus:
-            assert w.peak_w < 190, w
+            assert w.samples == 0 or w.peak_w < 190, w
     assert "gpuguard_host_power_headroom_alert 0.0" in inc.metrics.render().decode()
     assert inc.hub.notes["power"] == ""
     # the flight recorder kept the peaks, the verdicts and the raw samples before the alert

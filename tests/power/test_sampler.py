@@ -81,8 +81,10 @@ def test_lost_card_gives_named_errors_and_the_other_keeps_sampling(two):
     s.sync(two.channels)
     samples(s, "a")
     two.host.lose_gpu(A, errno.EIO, steps_before_removal=100)
-    s.take_windows()
     poll_until(lambda: s.samplers["a"].errors_total >= 3, timeout=30, what="EIO samples")
+    s.take_windows()   # a read in flight at the loss is done by now: the next window is all errors
+    errors = s.samplers["a"].errors_total
+    poll_until(lambda: s.samplers["a"].errors_total >= errors + 2, timeout=30, what="more EIO samples")
     before_b = s.samplers["b"].samples_total
     samples(s, "b", before_b + 3)
     w = s.take_windows()
