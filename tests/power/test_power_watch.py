@@ -79,3 +79,24 @@ def test_amdgpu_discovery_device_works_as_a_channel_source(sim_root, tmp_path):
     ch = channel_for(src, dev_a, "a")
     assert ch.source == "power1_average" and ch.where.startswith(dev_a.hwmon_path)
     assert ch.read() == int(host.read(f"{host.hwmon_path(A)}/power1_average")) / 1e6 > 100
+
+
+def test_reload_with_a_new_rate_restarts_the_threads_and_dropping_the_budget_ends_an_alert(sim_root):
+    from gpuguard.hw.power_sampler import PowerWindow
+
+    poller, hub = fake_poller(sim_root), Hub()
+    watch = PowerWatch(hub, PowerConfig(sample_hz=20, psu_watts=500, margin_ratio=0.2), poller_channels(poller, hub))
+    try:
+        watch.on_cycle(None)
+        old = watch.sampler.samplers["a"]
+        assert old.hz == 20
+        hot = {"a": PowerWindow("a", A, "power1_average", 0, 1, 10, 450.0, 440.0, 300.0)}
+        assert watch.budget.evaluate(hot, 1.0)[0].alerting
+        watch.configure(PowerConfig(sample_hz=10))
+        assert not watch.budget.alerting
+        watch.on_cycle(None)
+        assert watch.sampler.samplers["a"] is not old and watch.sampler.samplers["a"].hz == 10
+        old.thread.join(5)
+        assert not old.thread.is_alive()
+    finally:
+        watch.close()

@@ -154,3 +154,20 @@ def test_over_budget_sampler_lowers_its_rate(monkeypatch):
         assert s.samplers["x"].cpu_seconds > 0
     finally:
         s.close()
+
+
+def test_a_window_nobody_takes_stays_bounded_but_keeps_its_peak(monkeypatch):
+    monkeypatch.setattr(power_sampler, "MAX_WINDOW_SAMPLES", 5)
+    values = iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 99.0] + [7.0] * 10_000)
+    s = PowerSampler(hz=100, cpu_budget_ratio=1.0)
+    try:
+        s.sync([PowerChannel("x", "-", "test", "a counter", lambda: next(values))])
+        poll_until(lambda: s.samplers["x"].samples_total >= 10, timeout=30, what="10 samples")
+        s.samplers["x"].stop()
+        s.samplers["x"].thread.join(5)
+        w = s.take_windows()["x"]
+    finally:
+        s.close()
+    assert w.samples >= 10 and w.peak_w == 99.0       # every sample counted, the peak exact
+    assert w.mean_w == 3.0                            # statistics of the first 5 kept
+    assert len(s.samplers["x"]._values) == 0

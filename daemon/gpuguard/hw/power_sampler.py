@@ -27,6 +27,9 @@ log = logging.getLogger("gpuguard.power")
 
 MIN_HZ = 2.0
 BUDGET_CHECK_S = 5.0
+# A window nobody takes (a wedged poll loop) must not grow without bound: past this many
+# samples only the peak and the count move on.
+MAX_WINDOW_SAMPLES = 65536
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class GpuSampler:
         self.ring: collections.deque[tuple[float, float]] = collections.deque(maxlen=max(1, int(hz * ring_seconds)))
         self._lock = threading.Lock()
         self._values: list[float] = []
+        self._peak: float | None = None
+        self._count = 0
         self._errors = 0
         self._last_error: str | None = None
         self._window_start = wall()
@@ -130,7 +135,11 @@ class GpuSampler:
                     self._last_error = f"{type(e).__name__}: {e}"
             else:
                 with self._lock:
-                    self._values.append(w)
+                    if len(self._values) < MAX_WINDOW_SAMPLES:
+                        self._values.append(w)
+                    if self._peak is None or w > self._peak:
+                        self._peak = w
+                    self._count += 1
                     self.ring.append((t, w))
                     self.samples_total += 1
             now = time.monotonic()
@@ -159,13 +168,15 @@ class GpuSampler:
         end = self.wall()
         with self._lock:
             values, self._values = self._values, []
+            peak, self._peak = self._peak, None
+            count, self._count = self._count, 0
             errors, self._errors = self._errors, 0
             last_error, self._last_error = self._last_error, None
             start, self._window_start = self._window_start, end
         c = self.channel
         if not values:
             return PowerWindow(c.gpu, c.bdf, c.source, start, end, 0, None, None, None, errors, last_error, self.hz)
-        return PowerWindow(c.gpu, c.bdf, c.source, start, end, len(values), max(values), p99(values),
+        return PowerWindow(c.gpu, c.bdf, c.source, start, end, count, peak, p99(values),
                            sum(values) / len(values), errors, last_error, self.hz)
 
     def burst(self, since: float | None = None) -> list[tuple[float, float]]:
@@ -200,6 +211,15 @@ class PowerSampler:
             if gpu not in self.samplers:
                 log.info("power sampler gpu=%s bdf=%s reads %s (%s) at %g Hz", c.gpu, c.bdf, c.where, c.source, self.hz)
                 self.samplers[gpu] = GpuSampler(c, self.hz, self.ring_seconds, self.cpu_budget_ratio, self.wall).start()
+
+    def set_rate(self, hz: float, ring_seconds: float, cpu_budget_ratio: float) -> None:
+        """New settings (a reload): the threads stop and the next `sync` starts new ones."""
+        if (hz, ring_seconds, cpu_budget_ratio) == (self.hz, self.ring_seconds, self.cpu_budget_ratio):
+            return
+        self.hz, self.ring_seconds, self.cpu_budget_ratio = hz, ring_seconds, cpu_budget_ratio
+        for s in self.samplers.values():
+            s.stop()
+        self.samplers = {}
 
     def take_windows(self) -> dict[str, PowerWindow]:
         return {gpu: s.take_window() for gpu, s in self.samplers.items()}

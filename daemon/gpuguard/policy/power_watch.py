@@ -42,10 +42,11 @@ class PowerWatch:
         self._burst_done = float("-inf")  # newest sample time already recorded
 
     def configure(self, config: Any) -> None:
-        """A reloaded `power:` section: budget numbers at once; a new rate for new threads."""
+        """A reloaded `power:` section: budget numbers at once; new sampler settings restart
+        the threads at the next cycle."""
         self.config = config
         self.budget.configure(config)
-        self.sampler.hz = config.sample_hz
+        self.sampler.set_rate(config.sample_hz, config.burst_seconds, config.cpu_budget_ratio)
 
     def on_cycle(self, snap: HostSnapshot | None) -> HostPower:
         now = self.wall()

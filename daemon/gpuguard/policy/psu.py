@@ -156,7 +156,7 @@ def advise(windows: Iterable[PowerWindow], limit_w: float, other_w: float,
     ws = [w for w in windows if w.peak_w is not None]
     peak_sum = sum(w.peak_w for w in ws)  # type: ignore[misc]
     budget = limit_w * ADVICE_TARGET_RATIO - other_w
-    if not ws or peak_sum <= 0:
+    if not ws or peak_sum <= 0 or budget <= 0:  # other_watts alone fills the line: no GPU setting helps
         return ()
     out = []
     for w in ws:
@@ -177,6 +177,8 @@ class PsuBudget:
         self.worst: dict[str, PowerWindow] = {}  # gpu -> the highest-peak window while alerting
 
     def configure(self, config: Any) -> None:
+        if config.psu_watts is None:  # budget switched off by a reload: no alert can hold
+            self.alerting, self._below, self.worst = False, 0, {}
         self.psu_w = config.psu_watts
         self.other_w = config.other_watts
         self.margin = config.margin_ratio
