@@ -125,3 +125,17 @@ def test_lost_gpu_mid_sampling_is_an_error_naming_the_call_never_a_zero(capture)
         sampler.close()
     assert w.samples == 0 and w.peak_w is None and w.mean_w is None and w.p99_w is None
     assert w.errors >= 3 and "GPU is lost" in w.last_error
+
+
+def test_capture_tool_measures_the_hardware_update_interval_from_the_replay(capture):
+    """`python -m gpuguard.hw.nvml --capture-power` run against the replay of the H200: the
+    values it reads change every ~104 ms (what the H200 refreshes), whatever the read rate."""
+    from gpuguard.hw.nvml import sample_power
+
+    nvml = RecordedNvml(capture)
+    src = NvmlSource(nvml)
+    out = sample_power(nvml, src.discover(), seconds=1.5, hz=200)["0000:00:06.0"]
+    assert out["channel_source"] == "nvml_power_instant"
+    assert 620 < out["instant_watts"]["min"] < out["instant_watts"]["max"] < 740
+    assert 685 < out["usage_watts"]["min"] <= out["usage_watts"]["max"] < 700
+    assert 60 < out["instant_update_interval_ms"] < 160

@@ -339,38 +339,43 @@ def capture(path: str, power_seconds: float = 0.0, power_hz: float = 50.0) -> in
 
 def sample_power(nvml: Any, devs: list[NvmlDevice], seconds: float, hz: float) -> dict:
     """What the fast power sampler reads (hw/power_sources.nvml_channel), at its rate:
-    the instantaneous field and the averaged call side by side, with the driver's own
-    timestamp of each field value — the hardware's update interval is the step between
-    distinct timestamps."""
+    the instantaneous field and the averaged call side by side. How often the hardware
+    refreshes them is the median time between reads whose value changed (the field's
+    timestamp is the read's, not the measurement's)."""
     import statistics
 
     from gpuguard.hw.power_sources import NVML_FI_DEV_POWER_INSTANT, nvml_channel, nvml_field_watts
+
+    def update_interval_ms(series: list[tuple[int, float]]) -> float | None:
+        changes = [t for (t, v), (_, prev) in zip(series[1:], series) if v != prev]
+        steps = [b - a for a, b in zip(changes, changes[1:])]
+        return statistics.median(steps) / 1000.0 if steps else None
 
     out = {}
     fid = int(getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", NVML_FI_DEV_POWER_INSTANT))
     for d in devs:
         ch = nvml_channel(nvml, d, f"card{d.bdf}")
         h = nvml.nvmlDeviceGetHandleByIndex(d.index)
-        inst, usage, stamps = [], [], []
+        inst: list[tuple[int, float]] = []
+        usage: list[tuple[int, float]] = []
         t_end = time.monotonic() + seconds
         while time.monotonic() < t_end:
             fv = nvml.nvmlDeviceGetFieldValues(h, [fid])[0]
+            stamp = int(getattr(fv, "timestamp", 0))
             try:
-                inst.append(nvml_field_watts(fv, "instant"))
-                stamps.append(int(fv.timestamp))
-            except Exception:  # noqa: BLE001 — recorded as the error the driver gave
+                inst.append((stamp, nvml_field_watts(fv, "instant")))
+            except Exception:  # noqa: BLE001 — the driver's answer stays in the capture
                 pass
-            usage.append(nvml.nvmlDeviceGetPowerUsage(h) / 1000.0)
+            usage.append((stamp, nvml.nvmlDeviceGetPowerUsage(h) / 1000.0))
             time.sleep(1.0 / hz)
-        distinct = sorted(set(stamps))
-        steps = [b - a for a, b in zip(distinct, distinct[1:])]
+        iv, uv = [v for _, v in inst], [v for _, v in usage]
         out[d.bdf] = {
             "channel_source": ch.source if ch else None,
             "hz": hz, "samples": len(usage),
-            "instant_watts": {"min": min(inst, default=None), "max": max(inst, default=None),
-                              "distinct": len(set(inst))},
-            "usage_watts": {"min": min(usage), "max": max(usage), "distinct": len(set(usage))},
-            "instant_update_interval_ms": statistics.median(steps) / 1000.0 if steps else None,
+            "instant_watts": {"min": min(iv, default=None), "max": max(iv, default=None), "distinct": len(set(iv))},
+            "usage_watts": {"min": min(uv, default=None), "max": max(uv, default=None), "distinct": len(set(uv))},
+            "instant_update_interval_ms": update_interval_ms(inst),
+            "usage_update_interval_ms": update_interval_ms(usage),
         }
     return out
 
