@@ -1,8 +1,8 @@
 """`gpuguard run` as a real process on the FUSE-mounted simulated §2 host (two R9700, the
 simulator's clock running in real time): the fast-sampled peaks and the host PSU verdict
 come out on /metrics, the headroom alert on /v1/events, and the flight recorder keeps the
-peaks and the raw samples before the alert. The owner then writes the §2 offsets by hand
-(echo into pp_od_clk_voltage): the peaks fall and the alert clears."""
+peaks and the raw samples around the alert. The owner then applies the `psu-safe` profile
+through the API (applied and read back by gpuguard): the peaks fall and the alert clears."""
 from __future__ import annotations
 
 import os
@@ -62,6 +62,9 @@ def test_daemon_exports_peaks_alerts_on_the_psu_and_clears_after_the_offsets(sim
         ctl("set_load", bdf=bdf, level=1.0)
     port = free_port()
     db = tmp_path / "state" / "flight.sqlite"
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("ops: s3cret-token-0123456789\n")
+    tokens.chmod(0o600)
     cfg = tmp_path / "gpuguard.yaml"
     cfg.write_text(f"""
 sysfs_root: {mount}
@@ -69,6 +72,9 @@ state_dir: {tmp_path / 'state'}
 recorder: {{path: {db}}}
 listen: {{address: 127.0.0.1, port: {port}}}
 kernel: {{enabled: false}}
+api: {{token_file: {tokens}}}
+profiles:
+  psu-safe: {{power_cap_w: 210, sclk_offset_mhz: -500, vddgfx_offset_mv: -100}}
 poll: {{interval_seconds: 1.0}}
 gpus:
   - {{name: r9700-a, match: {{bdf: "0000:05:00.0"}}}}
@@ -104,10 +110,14 @@ power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, c
         assert m[("gpuguard_host_psu_watts", ())] == 1300
         assert m[("gpuguard_host_power_limit_watts", ())] == 975
 
-        # the owner's §2 fix, written by hand through the simulated kernel interface
+        # the §2 fix: psu-safe on both cards, applied one at a time and read back
+        for gpu in R9700:
+            r = httpx.post(f"{base}/v1/gpus/{gpu}/apply", json={"profile": "psu-safe", "reason": "PSU headroom"},
+                           headers={"Authorization": "Bearer s3cret-token-0123456789"}, timeout=60)
+            assert r.status_code == 200, r.text
         for bdf in R9700.values():
-            for cmd in ("s -500", "vo -100", "c"):
-                ctl("write", path=f"/sys/bus/pci/devices/{bdf}/pp_od_clk_voltage", data=cmd)
+            od = (mount / f"sys/bus/pci/devices/{bdf}/pp_od_clk_voltage").read_bytes().replace(b"\0", b"").decode()
+            assert "OD_SCLK_OFFSET:\n-500Mhz" in od, od
         poll_until(lambda: events("power_headroom_ok"), timeout=90, what="the alert to clear")
         poll_until(lambda: metrics(base)[("gpuguard_host_power_headroom_alert", ())] == 0, timeout=30,
                    what="the alert gauge to drop")
