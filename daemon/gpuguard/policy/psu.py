@@ -174,11 +174,10 @@ class PsuBudget:
         self.configure(config)
         self.alerting = False
         self._below = 0
-        self.worst: dict[str, PowerWindow] = {}  # gpu -> the highest-peak window while alerting
 
     def configure(self, config: Any) -> None:
         if config.psu_watts is None:  # budget switched off by a reload: no alert can hold
-            self.alerting, self._below, self.worst = False, 0, {}
+            self.alerting, self._below = False, 0
         self.psu_w = config.psu_watts
         self.other_w = config.other_watts
         self.margin = config.margin_ratio
@@ -201,10 +200,6 @@ class PsuBudget:
         if limit is not None and peak_sum is not None:
             if over:
                 self._below = 0
-                for w in sampled:
-                    best = self.worst.get(w.gpu)
-                    if best is None or (w.peak_w or 0) > (best.peak_w or 0):
-                        self.worst[w.gpu] = w
                 advice = advise(sampled, limit, self.other_w, snaps)
                 if not self.alerting:
                     self.alerting = True
@@ -213,7 +208,6 @@ class PsuBudget:
                 self._below += 1
                 if self._below >= self.clear_after:
                     self.alerting = False
-                    self.worst = {}
                     events.append(Event(
                         "power_headroom_ok", "info", "power",
                         f"PSU headroom back: GPU peaks {peak_sum:.0f} W + other {self.other_w:.0f} W = "
