@@ -98,6 +98,10 @@ power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, c
         alert = poll_until(lambda: events("power_headroom_low"), timeout=90, what="the PSU headroom alert")[0]
         assert alert["severity"] == "alert"
         assert "PSU headroom low" in httpx.get(f"{base}/v1/status", timeout=5).json()["summary"]
+        doc = httpx.get(f"{base}/v1/power", timeout=5).json()
+        assert doc["psu_watts"] == 1300 and doc["limit_watts"] == 975
+        assert {g["gpu"] for g in doc["gpus"]} == set(R9700)
+        assert all(g["source"] == "power1_average" for g in doc["gpus"])
         assert alert["fields"]["host_peak_watts"] >= 975 > alert["fields"]["host_mean_watts"]
         m = metrics(base)
         for gpu in R9700:

@@ -124,6 +124,10 @@ class PowerWatch:
             cpu.add_metric([gpu], s.cpu_seconds)
         yield from (peak, p99, mean, rate, count, errs, cpu, host_peak, host_mean, psu, limit, alert)
 
+    def document(self) -> dict | None:
+        """GET /v1/power: the last interval; None (503) before the first poll cycle."""
+        return None if self.last is None else self.last.to_dict()
+
     def close(self) -> None:
         self.sampler.close()
 
@@ -162,4 +166,5 @@ def attach(daemon: Any) -> PowerWatch:
                        recorder=daemon.recorder)
     daemon.poller.on_cycle.append(watch.on_cycle)
     daemon.metrics.add_producer(watch.metrics)
+    daemon.actions.provide(power=watch.document)
     return watch
