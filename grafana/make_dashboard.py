@@ -148,9 +148,11 @@ def power() -> list[dict]:
         timeseries("Power vs cap", [
             target(f"gpuguard_gpu_power_watts{{{GPU}}}", "{{gpu}} power"),
             target(f"gpuguard_gpu_power_cap_watts{{{GPU}}}", "{{gpu}} cap"),
+            target(f"gpuguard_gpu_power_peak_watts{{{GPU}}}", "{{gpu}} peak", ref="C"),
         ], unit="watt", overrides=[dashed_when(".* cap$")],
-            description="Average package power against the current cap (dashed). INCIDENTS §2: the cap bounds "
-                        "the long-window average only; transients tripped a 1300 W PSU at 263 W."),
+            description="Average package power against the current cap (dashed) and the fast-sampled peak of "
+                        "each poll interval. INCIDENTS §2: the cap bounds the long-window average only; "
+                        "transients tripped a 1300 W PSU at 263 W."),
         timeseries("Power / cap", [
             target(f"gpuguard_gpu_power_watts{{{GPU}}} / gpuguard_gpu_power_cap_watts{{{GPU}}}", "{{gpu}}"),
         ], unit="percentunit", min_=0, steps=thresholds((None, "green"), (0.97, "red")),

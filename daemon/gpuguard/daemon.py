@@ -141,6 +141,10 @@ class Daemon:
         from gpuguard.profiles import attach
 
         attach(self)
+        # issue 17: fast power sampling and the PSU budget (INCIDENTS §2)
+        from gpuguard.policy.power_watch import attach as attach_power
+
+        self.power = attach_power(self)
 
     def _kernel_event(self, e) -> None:
         self.hub.counters.kernel_events[(e.gpu, e.kind)] += 1
@@ -272,6 +276,7 @@ class Daemon:
             self.poller.timeout = new.poll.timeout_seconds
             self.poller.discover_every = new.poll.discover_seconds
             self.pcie.interval = new.poll.pcie_interval_seconds
+            self.power.configure(new.power)
             log.info(
                 "reload: config %s applied poll_interval=%gs tokens=%d webhooks=%d",
                 self.config_path,
@@ -395,6 +400,7 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     os.unlink(self.config.api.unix_socket)
             self.poller.close()
+            self.power.close()
             if self.engines is not None:
                 await self.engines.aclose()
             if self.recorder is not None:

@@ -12,6 +12,11 @@ EXTRA_NAMES = {
     "gpuguard_webhook_failures_total",
     # Exported by the foundation (sinks/metrics.py): a runtime-suspended GPU is not woken to poll.
     "gpuguard_gpu_runtime_suspended",
+    # Exported by the power watch (issue 17, policy/power_watch.py): GPU peaks + other_watts
+    # reached the PSU's alert line (INCIDENTS §2).
+    "gpuguard_host_power_headroom_alert",
+    # ... and each GPU's fast-sampled peak per poll interval, beside its average and cap.
+    "gpuguard_gpu_power_peak_watts",
     # Prometheus' own per-target scrape health, used by GpuguardDown.
     "up",
     # NVIDIA health through NVML (issue 18, sinks/nvml_metrics.py; README "NVIDIA hosts").

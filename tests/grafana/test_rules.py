@@ -20,6 +20,7 @@ CONTRACT_ALERTS = {
     "GpuguardTemperatureNearEmergency",
     "GpuguardTemperatureEmergency",
     "GpuguardPowerAtCap",
+    "GpuguardPsuHeadroomLow",  # issue 17: INCIDENTS §2, peaks against the PSU
     "GpuguardEngineStalled",
     "GpuguardEngineDown",
     "GpuguardEngineRestartLoop",

@@ -50,6 +50,10 @@ def run(args) -> int:
         findings = diagnose(src.root, report, expected_from_config(entries, report), lines, seen_under_load=seen)
     finally:
         src.close()
+    if args.config:  # issue 17: the PSU budget from the flight recorder (INCIDENTS §2)
+        from gpuguard.policy.power_doctor import power_findings_from_file
+
+        findings += power_findings_from_file(args.config)
     status = exit_status(findings)
     if args.json:
         json.dump({"status": status, "findings": [f.to_dict() for f in findings]}, sys.stdout, indent=2)

@@ -13,6 +13,7 @@ from gpuguard.kernel.config import KernelConfig
 from gpuguard.profiles.schema import ApplyConfig, Profile, assignment_problems
 
 from gpuguard.config.service import ApiConfig, WebhookConfig  # service layer sections (issue 6)
+from gpuguard.config.power import PowerConfig  # fast power sampling + PSU budget (issue 17)
 
 
 
@@ -90,6 +91,7 @@ class Config(Strict):
     webhooks: list[WebhookConfig] = []  # issue 6: alert-grade events POSTed here
     profiles: dict[str, Profile] = {}
     apply: ApplyConfig = ApplyConfig()
+    power: PowerConfig = PowerConfig()  # issue 17: fast power sampling, PSU budget (INCIDENTS §2)
 
     @model_validator(mode="after")
     def _profiles_exist(self) -> "Config":

@@ -283,7 +283,7 @@ class _Recorder:
             return target
 
         def call(*args: Any) -> Any:
-            key_args = [a if isinstance(a, (int, str)) else "h" for a in args]
+            key_args = [_arg_key(a) for a in args]
             try:
                 r = target(*args)
             except Exception as e:
@@ -295,7 +295,21 @@ class _Recorder:
         return call
 
 
+def _arg_key(a: Any) -> Any:
+    """How an argument is keyed in a capture: ints and strings as they are, a list of field
+    ids (nvmlDeviceGetFieldValues) as `fields:186,185`, anything else (a handle) as `h`."""
+    if isinstance(a, (int, str)):
+        return a
+    if isinstance(a, (list, tuple)) and all(isinstance(x, int) for x in a):
+        return "fields:" + ",".join(str(x) for x in a)
+    return "h"
+
+
 def _encode(r: Any) -> Any:
+    import ctypes
+
+    if isinstance(r, ctypes.Array):  # nvmlDeviceGetFieldValues answers an array of structs
+        return [_encode(x) for x in r]
     if isinstance(r, bytes):
         return r.decode()
     if isinstance(r, (int, float, str)) or r is None:
@@ -325,9 +339,12 @@ class RecordedNvml:
 
     def __init__(self, capture: dict) -> None:
         self.constants = capture.get("constants", {})
-        self._answers: dict[tuple, dict] = {}
+        # A call recorded several times (the power sampler's) answers its recordings in
+        # turn, round and round; a call recorded once always answers the same.
+        self._answers: dict[tuple, list[dict]] = {}
+        self._turn: dict[tuple, int] = {}
         for c in capture["calls"]:
-            self._answers.setdefault((c["call"], tuple(c["args"])), c)
+            self._answers.setdefault((c["call"], tuple(c["args"])), []).append(c)
         self._errors: dict[str, type] = {}
 
     @classmethod
@@ -342,10 +359,13 @@ class RecordedNvml:
             raise AttributeError(attr)
 
         def call(*args: Any) -> Any:
-            key = (attr, tuple(a if isinstance(a, (int, str)) else "h" for a in args))
-            ans = self._answers.get(key)
-            if ans is None:
+            key = (attr, tuple(_arg_key(a) for a in args))
+            answers = self._answers.get(key)
+            if answers is None:
                 raise self._error("NVMLError_FunctionNotFound")(f"{attr}{key[1]} not in the capture")
+            turn = self._turn.get(key, 0)
+            self._turn[key] = turn + 1
+            ans = answers[turn % len(answers)]
             if "error" in ans:
                 raise self._error(ans["error"])(ans.get("message", ""))
             return _decode(ans["result"])
@@ -358,7 +378,7 @@ class RecordedNvml:
         return self._errors[name]
 
 
-def capture(path: str) -> int:
+def capture(path: str, power_seconds: float = 0.0, power_hz: float = 50.0) -> int:
     """Run discovery and one read of every GPU against the real NVML, recording answers.
     Read-only: gpuguard never sets anything through NVML."""
     import pynvml
@@ -371,7 +391,8 @@ def capture(path: str) -> int:
     constants = {
         k: getattr(pynvml, k)
         for k in dir(pynvml)
-        if (k.startswith(("NVML_TEMPERATURE", "NVML_CLOCK_")) or k == "nvmlMemory_v2") and isinstance(getattr(pynvml, k), int)
+        if (k.startswith(("NVML_TEMPERATURE", "NVML_CLOCK_", "NVML_FI_DEV_POWER")) or k == "nvmlMemory_v2")
+        and isinstance(getattr(pynvml, k), int)
     }
     doc = {
         "driver_version": _encode(pynvml.nvmlSystemGetDriverVersion()),
@@ -380,14 +401,64 @@ def capture(path: str) -> int:
         "calls": rec.calls,
         "snapshots": snaps,
     }
+    if power_seconds > 0:
+        doc["power_sampling"] = sample_power(rec, devs, power_seconds, power_hz)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, sort_keys=True)
     print(json.dumps(snaps, indent=1))
+    if "power_sampling" in doc:
+        print(json.dumps(doc["power_sampling"], indent=1))
     return 0
+
+
+def sample_power(nvml: Any, devs: list[NvmlDevice], seconds: float, hz: float) -> dict:
+    """What the fast power sampler reads (hw/power_sources.nvml_channel), at its rate:
+    the instantaneous field and the averaged call side by side. How often the hardware
+    refreshes them is the median time between reads whose value changed (the field's
+    timestamp is the read's, not the measurement's)."""
+    import statistics
+
+    from gpuguard.hw.power_sources import NVML_FI_DEV_POWER_INSTANT, nvml_channel, nvml_field_watts
+
+    def update_interval_ms(series: list[tuple[int, float]]) -> float | None:
+        changes = [t for (t, v), (_, prev) in zip(series[1:], series) if v != prev]
+        steps = [b - a for a, b in zip(changes, changes[1:])]
+        return statistics.median(steps) / 1000.0 if steps else None
+
+    out = {}
+    fid = int(getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", NVML_FI_DEV_POWER_INSTANT))
+    for d in devs:
+        ch = nvml_channel(nvml, d, f"card{d.bdf}")
+        h = nvml.nvmlDeviceGetHandleByIndex(d.index)
+        inst: list[tuple[int, float]] = []
+        usage: list[tuple[int, float]] = []
+        t_end = time.monotonic() + seconds
+        while time.monotonic() < t_end:
+            fv = nvml.nvmlDeviceGetFieldValues(h, [fid])[0]
+            stamp = int(getattr(fv, "timestamp", 0))
+            try:
+                inst.append((stamp, nvml_field_watts(fv, "instant")))
+            except Exception:  # noqa: BLE001 — the driver's answer stays in the capture
+                pass
+            usage.append((stamp, nvml.nvmlDeviceGetPowerUsage(h) / 1000.0))
+            time.sleep(1.0 / hz)
+        iv, uv = [v for _, v in inst], [v for _, v in usage]
+        out[d.bdf] = {
+            "channel_source": ch.source if ch else None,
+            "hz": hz, "samples": len(usage),
+            "instant_watts": {"min": min(iv, default=None), "max": max(iv, default=None), "distinct": len(set(iv))},
+            "usage_watts": {"min": min(uv, default=None), "max": max(uv, default=None), "distinct": len(set(uv))},
+            "instant_update_interval_ms": update_interval_ms(inst),
+            "usage_update_interval_ms": update_interval_ms(usage),
+        }
+    return out
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--capture":
         raise SystemExit(capture(sys.argv[2]))
-    print("usage: python -m gpuguard.hw.nvml --capture FILE", file=sys.stderr)
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--capture-power":
+        # also samples the power sources for N seconds (default 3) at 50 Hz
+        raise SystemExit(capture(sys.argv[2], float(sys.argv[3]) if len(sys.argv) == 4 else 3.0))
+    print("usage: python -m gpuguard.hw.nvml --capture FILE | --capture-power FILE [SECONDS]", file=sys.stderr)
     raise SystemExit(2)

@@ -341,7 +341,8 @@ class AmdGpu:
         sensor = lambda f: FileDef(lambda: f"{f()}\n".encode(), gated=True)  # noqa: E731
         files = {"name": const("amdgpu\n"), "power1_label": const("PPT\n")}
         if m.has_power_average:
-            files["power1_average"] = sensor(lambda: int(round(s.power_avg_w)) * 1_000_000)
+            # the firmware's AverageSocketPower: a short window, transients included (load.py)
+            files["power1_average"] = sensor(lambda: int(round(s.power_window_w)) * 1_000_000)
         if m.has_power_input:
             files["power1_input"] = sensor(lambda: int(round(s.power_input_w)) * 1_000_000)
         files.update({

@@ -6,7 +6,7 @@ methods of the same name): set_load(bdf, level), set_vram(bdf, used_bytes), step
 lose_gpu(bdf, err?), add_late_gpu(bdf, after_s?), appear(bdf), renumber_hwmon(),
 garbage(bdf, file, text), clear_garbage(bdf, file?), block(bdf, file), unblock(bdf, file?),
 suspend(bdf, resume_error?), resume(bdf), reset_gpu(bdf, steps?),
-ignore_first_write(bdf, kind?), aer_error(bdf, name?, count?, severity?), plus
+ignore_first_write(bdf, kind?), transients(bdf, scale?), aer_error(bdf, name?, count?, severity?), plus
 state() (JSON summary), gpus(), kernel_log(since=0) (raw /dev/kmsg records), read(path)
 (latin-1 text), write(path, data).
 
@@ -27,7 +27,7 @@ from .host import SimHost
 
 HOST_OPS = ("set_load", "set_vram", "step", "lose_gpu", "add_late_gpu", "appear", "renumber_hwmon",
             "garbage", "clear_garbage", "unblock", "suspend", "resume", "reset_gpu",
-            "ignore_first_write", "aer_error", "state")
+            "ignore_first_write", "transients", "aer_error", "state")
 
 
 class ControlError(RuntimeError):

@@ -153,6 +153,14 @@ class FaultInjection:
         with self.lock:
             self.gpu(bdf).reset(steps)
 
+    def transients(self, bdf: str, scale: float = 1.0) -> None:
+        """Scale the load model's power transients on one GPU: 0 = a flat load, 1 = the
+        calibrated card (INCIDENTS §2), 2 = a spikier workload or card."""
+        if not 0 <= float(scale) <= 10:
+            raise ValueError(f"transients scale must be within 0..10, not {scale!r}")
+        with self.lock:
+            self.gpu(bdf).load_model.transient_scale = float(scale)
+
     def ignore_first_write(self, bdf: str, kind: str = "commit") -> None:
         if kind not in ("commit", "stage", "power_cap"):
             raise ValueError(f"ignore_first_write kind must be commit, stage or power_cap, not {kind!r}")

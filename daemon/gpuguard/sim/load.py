@@ -10,9 +10,21 @@ Formulas (constants per card in cards.LoadParams):
   power                 P = idle_w + L·(mem_w·m + k_dyn·f·V²),   m = MCLK share
   power cap             if P > cap, f is lowered (bisection) until P == cap
   temperatures          first-order lag (τ = 4 s) towards ambient + r·P
+  transients            per step, a zero-mean deviation x of the short-window power:
+                        a spike (probability P_SPIKE) of depth·U(0.5, 1), else a dip
+                        that keeps the mean; depth = TRANSIENT_DEPTH · L · (f/f_ref)·(V/v_ref)²
+                        · scale (a fault control, 1 by default)
 Calibration: R9700 182 W → ~129 W with −500 MHz/−100 mV (INCIDENTS §2); XTX SCLK max
-1500 MHz → ~1233 MHz under load, 2000 MHz/−100 mV → ~1800 MHz (INCIDENTS §3).
-Deterministic: noise comes from a per-GPU random.Random(seed) and only `step(dt)` moves
+1500 MHz → ~1233 MHz under load, 2000 MHz/−100 mV → ~1800 MHz (INCIDENTS §3). Transients:
+the R9700 at stock shows short-window peaks of 1.3–1.6× its 182 W average (INCIDENTS §2:
+peaks 249–289 W per card); with −500 MHz/−100 mV the depth falls to ~55 % of that (dynamic
+power goes with f·V²), so the peaks fall further than the average.
+What the files show: `power1_average` is the firmware's AverageSocketPower, a short
+window that moves with the load's transients (`power_avg_w · (1 + x)`); `power1_input`
+(cards that have it) the current socket power, deeper still (`1 + INPUT_GAIN·x`).
+`power_avg_w` itself is the long-window mean the power cap regulates (temperatures and
+the calibration above use it).
+Deterministic: noise comes from per-GPU random.Random(seed)s and only `step(dt)` moves
 time.
 """
 from __future__ import annotations
@@ -25,6 +37,9 @@ from .cards import CardModel
 
 AMBIENT_C = 30.0
 TAU_S = 4.0
+P_SPIKE = 0.25          # share of short windows that hold a load step
+TRANSIENT_DEPTH = 0.6   # spike depth at full load and the stock operating point
+INPUT_GAIN = 1.5        # the current-power sensor sees deeper spikes than the window average
 
 
 @dataclass
@@ -44,6 +59,12 @@ class Sensors:
     fan_rpm: int = 0
     busy_pct: int = 0
     pcie_level: int = 0
+    transient: float = 0.0      # this step's short-window deviation x (0 = none)
+
+    @property
+    def power_window_w(self) -> float:
+        """What `power1_average` shows: the short-window average, transients included."""
+        return max(0.0, self.power_avg_w * (1.0 + self.transient))
 
 
 def full_load_clock(model: CardModel, od: dict, od_family: str) -> float:
@@ -116,6 +137,16 @@ class LoadModel:
         self.sensors = Sensors(sclk_mhz=model.load.sclk_idle, mclk_mhz=model.mclk_levels[0],
                                vddgfx_mv=int(model.load.v_idle * 1000))
         self.initialised = False
+        # Transients draw from their own generator: the jitter sequence (and every
+        # calibration that rests on it) stays what it was.
+        self.transient_rng = random.Random(seed * 7919 + 17)
+        self.transient_scale = 1.0
+
+    def transient_depth(self, load: float, op: "Operating") -> float:
+        p = self.model.load
+        if load <= 0 or op.sclk <= 0:
+            return 0.0
+        return TRANSIENT_DEPTH * min(load, 1.0) * (op.sclk / p.f_ref) * (op.volts / p.v_ref) ** 2 * self.transient_scale
 
     def step(self, dt: float, load: float, od: dict, od_family: str, cap_w: float,
              perf_level: str, noise: bool = True) -> Sensors:
@@ -126,8 +157,17 @@ class LoadModel:
         inst = op.power * jitter
         # power1_average: the SMU's ~1 s window; the instantaneous value moves faster.
         a = 1.0 if not self.initialised else 1.0 - math.exp(-dt / 1.0)
-        s.power_input_w = inst
         s.power_avg_w = s.power_avg_w + a * (inst - s.power_avg_w)
+        depth = self.transient_depth(load, op) if noise else 0.0
+        if depth > 0:
+            r = self.transient_rng
+            spike = r.random() < P_SPIKE
+            u = r.uniform(0.5, 1.0)
+            # zero mean: E[spike] = P·0.75·depth, the dips between spikes give it back
+            s.transient = depth * u if spike else -depth * 0.75 * P_SPIKE / (1 - P_SPIKE)
+        else:
+            s.transient = 0.0
+        s.power_input_w = max(0.0, inst * (1.0 + INPUT_GAIN * s.transient))
         edge_t = AMBIENT_C + m.load.r_edge * s.power_avg_w
         junc_t = edge_t + m.load.r_junction * s.power_avg_w
         mem_t = m.load.mem_base_c + m.load.mem_per_load_c * min(max(load, 0), 1)

@@ -22,6 +22,7 @@ JSON shapes (stable; the CLI's status/events/engines read them):
   GET /v1/engines         [{"name": str, ...provider fields}]
   GET /v1/profiles        [{"name": str, ...provider fields}]
   GET /v1/pcie            PcieReport.to_dict() (`gpuguard pcie --json`) + {"findings": [doctor finding]}
+  GET /v1/power           the last interval's per-GPU peak/p99/mean and the PSU verdict + advice
   (a read provider with nothing yet answers 503)
   GET /v1/config          the effective config (webhook URLs redacted)
   POST bodies             {"reason": str?}; apply: {"profile": str, "confirm_within": s?, "reason": str?}
@@ -409,6 +410,10 @@ def build_app(
     @app.get("/v1/pcie", dependencies=read)
     def get_pcie() -> dict[str, Any]:
         return jsonable(provided("pcie"))
+
+    @app.get("/v1/power", dependencies=read)
+    def get_power() -> dict[str, Any]:
+        return jsonable(provided("power"))
 
     @app.get("/v1/config", dependencies=read)
     def get_config() -> dict[str, Any]:

@@ -34,7 +34,22 @@ CREATE TABLE IF NOT EXISTS events (
   gpu TEXT, bdf TEXT, engine TEXT, message TEXT NOT NULL, fields TEXT
 );
 CREATE INDEX IF NOT EXISTS events_t ON events(t);
+CREATE TABLE IF NOT EXISTS power_windows (
+  t REAL NOT NULL, gpu TEXT NOT NULL, bdf TEXT NOT NULL, source TEXT NOT NULL, samples INTEGER NOT NULL,
+  peak_w REAL, p99_w REAL, mean_w REAL, errors INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS power_windows_t ON power_windows(t);
+CREATE TABLE IF NOT EXISTS power_host (
+  t REAL NOT NULL, gpu_peak_sum_w REAL, gpu_mean_sum_w REAL, other_w REAL, psu_w REAL, limit_w REAL,
+  alerting INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS power_host_t ON power_host(t);
+CREATE TABLE IF NOT EXISTS power_burst (t REAL NOT NULL, gpu TEXT NOT NULL, w REAL NOT NULL, reason TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS power_burst_t ON power_burst(t);
 """
+# issue 17: the fast power sampler's per-interval statistics, the host PSU verdict, and the
+# raw samples around a power alert (INCIDENTS §2: the seconds before a trip must survive it).
+POWER_TABLES = {"power_windows": 9, "power_host": 7, "power_burst": 4}
 
 
 class FlightRecorder:
@@ -56,10 +71,14 @@ class FlightRecorder:
         db.commit()
         self._db = db
 
-    def _write(self, samples: list[tuple], events: list[tuple]) -> None:
+    def _write(self, samples: list[tuple], events: list[tuple], power: dict[str, list[tuple]] | None = None) -> None:
         assert self._db is not None
         try:
             with self._db:
+                for table, rows in (power or {}).items():
+                    if rows:
+                        marks = ",".join("?" * POWER_TABLES[table])
+                        self._db.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
                 if samples:
                     self._db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", samples)
                 if events:
@@ -69,6 +88,8 @@ class FlightRecorder:
                     cutoff = now - self.keep_seconds
                     self._db.execute("DELETE FROM samples WHERE t < ?", (cutoff,))
                     self._db.execute("DELETE FROM events WHERE t < ?", (cutoff,))
+                    for table in POWER_TABLES:
+                        self._db.execute(f"DELETE FROM {table} WHERE t < ?", (cutoff,))
                     self._last_prune = now
         except sqlite3.Error as e:
             self.failures += 1
@@ -99,6 +120,13 @@ class FlightRecorder:
     def record(self, snap: HostSnapshot | None = None, events: Iterable[Event] = ()) -> concurrent.futures.Future:
         """Queue one transaction; returns the future (tests wait on it, the daemon does not)."""
         return self._pool.submit(self._write, self.sample_rows(snap) if snap else [], self.event_rows(events))
+
+    def record_power(self, power: dict[str, list[tuple]]) -> concurrent.futures.Future:
+        """Queue rows for the power tables ({table: rows}, see POWER_TABLES) in one transaction."""
+        unknown = set(power) - set(POWER_TABLES)
+        if unknown:
+            raise ValueError(f"no recorder table {sorted(unknown)}; power tables: {sorted(POWER_TABLES)}")
+        return self._pool.submit(self._write, [], [], power)
 
     def query(self, sql: str, args: tuple = ()) -> list[tuple]:
         return self._pool.submit(lambda: self._db.execute(sql, args).fetchall()).result()

@@ -1,0 +1,26 @@
+"""Config section `power:` — the fast power sampler and the host PSU budget
+(INCIDENTS §2: two cards tripped a 1300 W supply on their transients while the averages
+looked safe). Hangs off the root `Config` as `power: PowerConfig`."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PowerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sampler: bool = Field(True, description="sample each GPU's power sensor fast, between polls")
+    sample_hz: float = Field(20.0, ge=1.0, le=100.0, description="samples per second per GPU")
+    # Each GPU's sampling thread halves its rate when it uses more than this share of one
+    # core (measured on the thread itself): telemetry must not become the load.
+    cpu_budget_ratio: float = Field(0.02, gt=0, le=1.0)
+    # Raw samples kept in memory per GPU; the ones before a headroom alert go to the
+    # flight recorder with it.
+    burst_seconds: float = Field(5.0, ge=0.5, le=60.0)
+    psu_watts: float | None = Field(None, gt=0, le=100000, description="the supply's rating; None = no budget check")
+    other_watts: float = Field(0.0, ge=0, le=100000, description="CPUs, drives, fans: what the rest of the host draws")
+    # Alert when GPU peaks + other_watts come within this share of psu_watts. Generous by
+    # default: 20–50 Hz samples of an averaged sensor under-read the millisecond transients
+    # a supply's protection reacts to.
+    margin_ratio: float = Field(0.25, ge=0, lt=1.0)
+    clear_after_intervals: int = Field(5, ge=1, le=1000, description="intervals below the line before the alert clears")

@@ -1,0 +1,102 @@
+"""The power watch's wiring decisions: which GPUs get a sampler (not lost ones, not
+runtime-suspended ones), a reloaded `power:` section taking effect, and the sampler
+switched off."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from gpuguard.config.power import PowerConfig
+from gpuguard.hw import amdgpu
+from gpuguard.hw.sources import AmdgpuSource
+from gpuguard.policy.power_watch import PowerWatch, poller_channels
+from gpuguard.sim.host import SimHost
+from gpuguard.state.hub import HostSnapshot, Hub
+from gpuguard.state.snapshot import GpuSnapshot
+
+A, B = "0000:05:00.0", "0000:08:00.0"
+
+
+def snapshot(*suspended: str) -> HostSnapshot:
+    return HostSnapshot(time=0, gpus=tuple(
+        GpuSnapshot(name=b, bdf=b, vendor="1002", device_id="7551", driver="amdgpu", model="R9700", card=None,
+                    up=True, time=0, runtime_status="suspended" if b in suspended else "active") for b in (A, B)))
+
+
+def fake_poller(sim_root):
+    host = SimHost.incident(seed=1, xtx=False)
+    root = sim_root(host)
+    src = AmdgpuSource(root)
+    devs = {b: (src, SimpleNamespace(bdf=b, hwmon_path=host.hwmon_path(b))) for b in (A, B)}
+    return SimpleNamespace(devices=devs, names={A: "a", B: "b"}, lost=set())
+
+
+def test_lost_and_suspended_gpus_get_no_sampler_and_the_set_is_cached(sim_root):
+    poller, hub = fake_poller(sim_root), Hub()
+    channels = poller_channels(poller, hub)
+    first = channels()
+    assert [c.gpu for c in first] == ["a", "b"] and all(c.source == "power1_average" for c in first)
+    assert channels() is first                       # nothing changed: not rebuilt
+    poller.lost.add(A)
+    assert [c.gpu for c in channels()] == ["b"]
+    poller.lost.clear()
+    hub.publish_snapshot(snapshot(B))
+    assert [c.gpu for c in channels()] == ["a"]      # asleep: reading would wake it
+    hub.publish_snapshot(snapshot())
+    poller.names[A] = "renamed"
+    assert [c.gpu for c in channels()] == ["renamed", "b"]   # in PCI order
+
+
+def test_reload_changes_the_budget_and_switching_the_sampler_off_stops_threads(sim_root):
+    poller, hub = fake_poller(sim_root), Hub()
+    watch = PowerWatch(hub, PowerConfig(sample_hz=20), poller_channels(poller, hub))
+    try:
+        hp = watch.on_cycle(None)
+        assert set(watch.sampler.samplers) == {"a", "b"}
+        assert hp.psu_w is None and hp.limit_w is None and not hp.alerting
+        watch.configure(PowerConfig(sample_hz=20, sampler=False, psu_watts=1000, margin_ratio=0.2))
+        hp = watch.on_cycle(None)
+        assert watch.sampler.samplers == {}
+        assert hp.limit_w == 800 and hp.peak_sum_w is None      # no samples: absent, not zero
+        text = "".join(str(m) for m in watch.metrics())
+        assert "gpuguard_host_power_peak_watts" in text
+    finally:
+        watch.close()
+
+
+def test_amdgpu_discovery_device_works_as_a_channel_source(sim_root, tmp_path):
+    """The real discovery's device (hwmon path found by name, not number) feeds the channel."""
+    from gpuguard.sim.tree import write_tree
+    from gpuguard.hw.sysfs import SysfsRoot
+    from gpuguard.hw.power_sources import channel_for
+
+    host = SimHost.incident(seed=1, xtx=False)
+    host.set_load(A, 1.0)
+    host.step(1.0)
+    write_tree(host, str(tmp_path))
+    root = SysfsRoot(str(tmp_path))
+    src = AmdgpuSource(root)
+    (dev_a, dev_b) = amdgpu.discover(root)
+    ch = channel_for(src, dev_a, "a")
+    assert ch.source == "power1_average" and ch.where.startswith(dev_a.hwmon_path)
+    assert ch.read() == int(host.read(f"{host.hwmon_path(A)}/power1_average")) / 1e6 > 100
+
+
+def test_reload_with_a_new_rate_restarts_the_threads_and_dropping_the_budget_ends_an_alert(sim_root):
+    from gpuguard.hw.power_sampler import PowerWindow
+
+    poller, hub = fake_poller(sim_root), Hub()
+    watch = PowerWatch(hub, PowerConfig(sample_hz=20, psu_watts=500, margin_ratio=0.2), poller_channels(poller, hub))
+    try:
+        watch.on_cycle(None)
+        old = watch.sampler.samplers["a"]
+        assert old.hz == 20
+        hot = {"a": PowerWindow("a", A, "power1_average", 0, 1, 10, 450.0, 440.0, 300.0)}
+        assert watch.budget.evaluate(hot, 1.0)[0].alerting
+        watch.configure(PowerConfig(sample_hz=10))
+        assert not watch.budget.alerting
+        watch.on_cycle(None)
+        assert watch.sampler.samplers["a"] is not old and watch.sampler.samplers["a"].hz == 10
+        old.thread.join(5)
+        assert not old.thread.is_alive()
+    finally:
+        watch.close()

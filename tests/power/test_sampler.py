@@ -1,0 +1,173 @@
+"""The fast power sampler against the simulated amdgpu driver (in process, real errno):
+which sensor it reads, the per-interval statistics, and every fault — EIO from a lost
+card, garbage, a vanished file, a wedged read — as a named error, never a zero, never
+stopping the other GPUs. Plus its CPU budget."""
+from __future__ import annotations
+
+import errno
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from gpuguard.hw import power_sampler
+from gpuguard.hw.power_sampler import PowerChannel, PowerSampler, p99
+from gpuguard.hw.power_sources import amdgpu_channel
+from gpuguard.sim.cards import R9700 as R9700_MODEL, with_changes
+from gpuguard.sim.host import SimHost
+from gpuguard.sim.topology import single_gpu_spec
+from support import poll_until
+
+A, B = "0000:05:00.0", "0000:08:00.0"
+
+
+def channel(root, host, bdf, name):
+    return amdgpu_channel(root, SimpleNamespace(bdf=bdf, hwmon_path=host.hwmon_path(bdf)), name)
+
+
+@pytest.fixture
+def two(sim_root):
+    host = SimHost.incident(seed=9, xtx=False)
+    host.set_load(A, 1.0)
+    for _ in range(20):
+        host.step(0.5)
+    root = sim_root(host)
+    sampler = PowerSampler(hz=50, cpu_budget_ratio=0.5)
+    yield SimpleNamespace(host=host, root=root, sampler=sampler,
+                          channels=[channel(root, host, A, "a"), channel(root, host, B, "b")])
+    host.release_all()
+    sampler.close()
+
+
+def samples(sampler, gpu, n=5):
+    poll_until(lambda: sampler.samplers[gpu].samples_total >= n, timeout=30, what=f"{n} samples of {gpu}")
+
+
+def test_p99_is_nearest_rank():
+    assert p99([1.0, 2.0, 3.0]) == 3.0
+    assert p99([float(i) for i in range(1, 201)]) == 198.0
+
+
+def test_r9700_has_only_power1_average_and_says_so(two):
+    a = two.channels[0]
+    assert a.source == "power1_average" and a.where.endswith("/power1_average")
+    assert a.read() == int(two.host.read(a.where)) / 1e6
+
+
+def test_power1_input_is_preferred_where_the_card_has_it(sim_root):
+    host = SimHost(single_gpu_spec(with_changes(R9700_MODEL, has_power_input=True), 0x03, "6.14", 16.0, 16))
+    bdf = host.gpus[0]
+    ch = channel(sim_root(host), host, bdf, "x")
+    assert ch.source == "power1_input"
+
+
+def test_window_statistics_follow_the_samples(two):
+    s = two.sampler
+    s.sync(two.channels)
+    samples(s, "a", 10)
+    samples(s, "b", 10)
+    w = s.take_windows()
+    a, b = w["a"], w["b"]
+    assert a.samples >= 10 and a.errors == 0 and a.source == "power1_average"
+    assert a.peak_w >= a.p99_w >= a.mean_w > 100          # loaded R9700
+    assert b.mean_w < 40                                  # idle card
+    # a new window starts empty: the next take has only newer samples
+    nxt = s.take_windows()["a"]
+    assert nxt.start >= a.end
+
+
+def test_lost_card_gives_named_errors_and_the_other_keeps_sampling(two):
+    s = two.sampler
+    s.sync(two.channels)
+    samples(s, "a")
+    two.host.lose_gpu(A, errno.EIO, steps_before_removal=100)
+    poll_until(lambda: s.samplers["a"].errors_total >= 3, timeout=30, what="EIO samples")
+    s.take_windows()   # a read in flight at the loss is done by now: the next window is all errors
+    errors = s.samplers["a"].errors_total
+    poll_until(lambda: s.samplers["a"].errors_total >= errors + 2, timeout=30, what="more EIO samples")
+    before_b = s.samplers["b"].samples_total
+    samples(s, "b", before_b + 3)
+    w = s.take_windows()
+    assert w["a"].peak_w is None and w["a"].mean_w is None   # absent, never a zero
+    assert "power1_average" in w["a"].last_error and "EIO" in w["a"].last_error
+    assert w["b"].samples >= 1 and w["b"].errors == 0
+
+
+def test_garbage_is_an_error_naming_the_file(two):
+    s = two.sampler
+    two.host.garbage(A, "power1_average", "xyz\n")
+    s.sync(two.channels[:1])
+    poll_until(lambda: s.samplers["a"].errors_total >= 2, timeout=30, what="garbage errors")
+    w = s.take_windows()["a"]
+    assert w.samples == 0 and "power1_average" in w.last_error and "xyz" in w.last_error
+
+
+def test_vanished_hwmon_file_is_enoent_then_a_new_channel_reads_again(two):
+    s = two.sampler
+    s.sync(two.channels[:1])
+    samples(s, "a")
+    two.host.renumber_hwmon()                     # hwmon index changes, old path is gone
+    poll_until(lambda: s.samplers["a"].errors_total >= 2, timeout=30, what="ENOENT errors")
+    assert "ENOENT" in s.take_windows()["a"].last_error
+    s.sync([channel(two.root, two.host, A, "a")])  # the poller's rediscovery gives a new path
+    samples(s, "a")
+    assert s.take_windows()["a"].samples >= 1
+
+
+def test_a_wedged_read_blocks_only_its_own_gpu(two):
+    s = two.sampler
+    two.host.block(A, "power1_average")
+    s.sync(two.channels)
+    samples(s, "b", 20)
+    assert s.samplers["a"].samples_total == 0
+    w = s.take_windows()
+    assert w["a"].samples == 0 and w["a"].peak_w is None
+    assert w["b"].samples >= 20
+
+
+def test_sync_stops_the_thread_of_a_gpu_that_is_gone(two):
+    s = two.sampler
+    s.sync(two.channels)
+    samples(s, "b")
+    thread = s.samplers["b"].thread
+    s.sync(two.channels[:1])
+    assert "b" not in s.samplers
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_over_budget_sampler_lowers_its_rate(monkeypatch):
+    """A read that costs far more CPU than the budget allows halves the rate."""
+    monkeypatch.setattr(power_sampler, "BUDGET_CHECK_S", 0.5)
+
+    def expensive() -> float:
+        t = time.thread_time()
+        while time.thread_time() - t < 0.004:   # 4 ms of CPU per sample: 20 % at 50 Hz
+            pass
+        return 1.0
+
+    s = PowerSampler(hz=50, cpu_budget_ratio=0.02)
+    try:
+        s.sync([PowerChannel("x", "-", "test", "a CPU-hungry read", expensive)])
+        poll_until(lambda: s.samplers["x"].hz < 50, timeout=30, what="the rate to drop")
+        assert s.samplers["x"].hz >= power_sampler.MIN_HZ
+        assert s.samplers["x"].cpu_seconds > 0
+    finally:
+        s.close()
+
+
+def test_a_window_nobody_takes_stays_bounded_but_keeps_its_peak(monkeypatch):
+    monkeypatch.setattr(power_sampler, "MAX_WINDOW_SAMPLES", 5)
+    values = iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 99.0] + [7.0] * 10_000)
+    s = PowerSampler(hz=100, cpu_budget_ratio=1.0)
+    try:
+        s.sync([PowerChannel("x", "-", "test", "a counter", lambda: next(values))])
+        poll_until(lambda: s.samplers["x"].samples_total >= 10, timeout=30, what="10 samples")
+        s.samplers["x"].stop()
+        s.samplers["x"].thread.join(5)
+        w = s.take_windows()["x"]
+    finally:
+        s.close()
+    assert w.samples >= 10 and w.peak_w == 99.0       # every sample counted, the peak exact
+    assert w.mean_w == 3.0                            # statistics of the first 5 kept
+    assert len(s.samplers["x"]._values) == 0
