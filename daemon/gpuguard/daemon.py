@@ -118,7 +118,7 @@ class Daemon:
                 log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
         if self.recorder is not None:
             rec = self.recorder
-            self.poller.on_cycle.append(lambda snap: rec.record(snap))
+            self.poller.on_cycle.append(lambda snap: rec.record(snap, engines=self.hub.view("engines")))
             self.hub.on_event(lambda e: rec.record(events=[e]))
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None

@@ -15,7 +15,7 @@ import logging
 import os
 import sqlite3
 import time
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 from gpuguard.state.events import Event
 from gpuguard.state.hub import HostSnapshot
@@ -34,6 +34,11 @@ CREATE TABLE IF NOT EXISTS events (
   gpu TEXT, bdf TEXT, engine TEXT, message TEXT NOT NULL, fields TEXT
 );
 CREATE INDEX IF NOT EXISTS events_t ON events(t);
+CREATE TABLE IF NOT EXISTS engine_samples (
+  t REAL NOT NULL, engine TEXT NOT NULL, state TEXT, tokens_total REAL, tokens_per_s REAL,
+  no_progress_s REAL, running REAL, waiting REAL
+);
+CREATE INDEX IF NOT EXISTS engine_samples_t ON engine_samples(t);
 """
 
 
@@ -56,7 +61,7 @@ class FlightRecorder:
         db.commit()
         self._db = db
 
-    def _write(self, samples: list[tuple], events: list[tuple]) -> None:
+    def _write(self, samples: list[tuple], events: list[tuple], engines: list[tuple] = ()) -> None:
         assert self._db is not None
         try:
             with self._db:
@@ -64,11 +69,14 @@ class FlightRecorder:
                     self._db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", samples)
                 if events:
                     self._db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?,?,?)", events)
+                if engines:
+                    self._db.executemany("INSERT INTO engine_samples VALUES (?,?,?,?,?,?,?,?)", engines)
                 now = time.time()
                 if now - self._last_prune > 60:
                     cutoff = now - self.keep_seconds
                     self._db.execute("DELETE FROM samples WHERE t < ?", (cutoff,))
                     self._db.execute("DELETE FROM events WHERE t < ?", (cutoff,))
+                    self._db.execute("DELETE FROM engine_samples WHERE t < ?", (cutoff,))
                     self._last_prune = now
         except sqlite3.Error as e:
             self.failures += 1
@@ -96,9 +104,23 @@ class FlightRecorder:
             for e in events
         ]
 
-    def record(self, snap: HostSnapshot | None = None, events: Iterable[Event] = ()) -> concurrent.futures.Future:
-        """Queue one transaction; returns the future (tests wait on it, the daemon does not)."""
-        return self._pool.submit(self._write, self.sample_rows(snap) if snap else [], self.event_rows(events))
+    @staticmethod
+    def engine_rows(engines: Mapping[str, Any] | None, t: float) -> list[tuple]:
+        """One row per engine snapshot (engines/snapshot.py): the engine progress an
+        incident report plots next to the GPUs (INCIDENTS §1: tokens stopped, then the bus)."""
+        rows = []
+        for name, e in sorted((engines or {}).items()):
+            rows.append((t, name, e.state, e.generated_tokens_total, e.tokens_per_second, e.no_progress_seconds,
+                         e.requests_running, e.requests_waiting))
+        return rows
+
+    def record(self, snap: HostSnapshot | None = None, events: Iterable[Event] = (),
+               engines: Mapping[str, Any] | None = None) -> concurrent.futures.Future:
+        """Queue one transaction; returns the future (tests wait on it, the daemon does not).
+        `engines`: name -> EngineSnapshot, recorded at the snapshot's time."""
+        t = snap.time if snap else time.time()
+        return self._pool.submit(self._write, self.sample_rows(snap) if snap else [], self.event_rows(events),
+                                 self.engine_rows(engines, t))
 
     def query(self, sql: str, args: tuple = ()) -> list[tuple]:
         return self._pool.submit(lambda: self._db.execute(sql, args).fetchall()).result()
