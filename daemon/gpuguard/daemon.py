@@ -35,6 +35,7 @@ from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
 from gpuguard.sinks.metrics import MetricsSink
+from gpuguard.sinks.page import mount_page
 from gpuguard.sinks.recorder import FlightRecorder
 # -- service layer (issue 6): auth, audit, webhooks, sd_notify --
 from gpuguard.sinks.actions import Actions
@@ -101,6 +102,8 @@ class Daemon:
             max_body_bytes=config.api.max_body_bytes,
             config_view=self.config_view,
         )
+        # issue 16: the web page, its history and on-demand incident reports (same port and rules)
+        mount_page(self.app, lambda: self.recorder)
         self.unix_server: _Server | None = None
         self.notify = SystemdNotify()
         self.stop_event = asyncio.Event()

@@ -1,0 +1,135 @@
+"""The built-in web page, served by the daemon on its API port: `/` and its assets (plain
+HTML/JS/CSS shipped in the package under sinks/page/, no framework, no CDN: it works on an
+air-gapped host), the history it charts (`GET /v1/history`, from the flight recorder) and
+incident reports rendered on demand (`GET /report?event=ID|at=T`, the same report as
+`gpuguard report`).
+
+Same access rules as the read API (sinks/api.py `read_access`); the page's actions go
+through the existing POST endpoints with the bearer token the user types in — nothing here
+changes state, and nothing is ever done from a GET.
+
+  GET /v1/history?since=T&until=T&points=N&gpu=NAME
+      {"start", "end", "step", "gpus": {gpu: {"bdf", "t": [...], series: [...]}},
+       "engines": {engine: {"t", "state", series...}}, "events": [event + "id"]}
+      series as in sinks/history.py; averaged into buckets of `step` seconds so that an
+      hour of 8 GPUs stays a small document (at most `points` per series, default 300).
+"""
+from __future__ import annotations
+
+import time
+from importlib import resources
+from typing import Callable
+
+from fastapi import Depends, FastAPI, HTTPException, Query
+from fastapi.responses import HTMLResponse, Response
+
+from gpuguard.sinks.api import read_access
+from gpuguard.sinks.history import ENGINE_SERIES, GPU_SERIES, FlightLog, HistoryError
+from gpuguard.sinks.recorder import FlightRecorder
+
+ASSETS = {"page.js": "text/javascript", "page.css": "text/css", "favicon.svg": "image/svg+xml"}
+# The page may talk to its own origin only: a stray URL in a label can never phone home.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+# A report is one self-contained file: its CSS is inline, and it has no script at all.
+REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'"
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("gpuguard.sinks").joinpath("page", name).read_bytes()
+
+
+def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str | None) -> dict:
+    """Series averaged per `step`-second bucket (SQLite does the work: an hour of 8 GPUs
+    at 0.5 s is 57 600 rows; the page gets at most `points` per series)."""
+    step = max((end - start) / max(points, 1), 0.0)
+    # `up` as a minimum: one lost sample in a bucket shows as down, not as 0.97
+    agg = ", ".join("min(up)" if k == "up" else f"avg({k})" for k in GPU_SERIES)
+    where, args = "t >= ? AND t <= ?", (start, end)
+    if gpu:
+        where += " AND (gpu = ? OR bdf = ?)"
+        args += (gpu, gpu)
+    key = f"CAST((t - {start!r}) / {step!r} AS INTEGER)" if step > 0 else "t"
+    rows = flight.q(f"SELECT gpu, max(bdf), max(t), {agg} FROM samples WHERE {where} GROUP BY gpu, {key} "
+                    "ORDER BY gpu, max(t)", args)
+    gpus: dict[str, dict] = {}
+    for r in rows:
+        g = gpus.setdefault(r[0], {"bdf": r[1], "t": [], **{k: [] for k in GPU_SERIES}})
+        g["t"].append(round(r[2], 3))
+        for k, v in zip(GPU_SERIES, r[3:]):
+            g[k].append(None if v is None else round(v, 3))
+    engines: dict[str, dict] = {}
+    try:
+        eagg = ", ".join(f"avg({k})" for k in ENGINE_SERIES)
+        erows = flight.q(f"SELECT engine, max(t), max(state), {eagg} FROM engine_samples WHERE t >= ? AND t <= ? "
+                         f"GROUP BY engine, {key} ORDER BY engine, max(t)", (start, end))
+    except HistoryError:
+        erows = []  # a recorder file from before engine rows existed
+    for r in erows:
+        e = engines.setdefault(r[0], {"t": [], "state": [], **{k: [] for k in ENGINE_SERIES}})
+        e["t"].append(round(r[1], 3))
+        e["state"].append(r[2])
+        for k, v in zip(ENGINE_SERIES, r[3:]):
+            e[k].append(None if v is None else round(v, 3))
+    events = flight.events(start, end, gpu, limit=500)
+    return {"start": start, "end": end, "step": step, "gpus": gpus, "engines": engines, "events": events}
+
+
+def mount_page(app: FastAPI, recorder: Callable[[], FlightRecorder | None]) -> None:
+    """Add the page's routes to the daemon's app. `recorder()` is the running flight
+    recorder, or None when `recorder.enabled` is off (history answers 501 then)."""
+    read = [Depends(read_access)]
+
+    def flight() -> FlightLog:
+        rec = recorder()
+        if rec is None:
+            raise HTTPException(501, detail="the flight recorder is off (recorder.enabled: false): no history")
+        return FlightLog(rec.query, rec.path)
+
+    @app.get("/", include_in_schema=False, dependencies=read)
+    def index() -> Response:
+        return Response(_asset("index.html"), media_type="text/html; charset=utf-8",
+                        headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache"})
+
+    @app.get("/page/{name}", include_in_schema=False, dependencies=read)
+    def asset(name: str) -> Response:
+        if name not in ASSETS:
+            raise HTTPException(404, detail=f"no page asset named {name!r}")
+        return Response(_asset(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/history", dependencies=read)
+    def history(
+        since: float | None = Query(None, description="unix time (default: 15 minutes ago)"),
+        until: float | None = Query(None, description="unix time (default: now)"),
+        points: int = Query(300, ge=10, le=5000, description="at most this many points per series"),
+        gpu: str | None = Query(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$"),
+    ) -> dict:
+        end = until if until is not None else time.time()
+        start = since if since is not None else end - 900
+        if start > end:
+            raise HTTPException(422, detail=f"since ({start}) is after until ({end})")
+        try:
+            return bucketed(flight(), start, end, points, gpu)
+        except HistoryError as e:
+            raise HTTPException(500, detail=str(e)) from None
+
+    def _report(event: int | None, at: float | None, before: float, after: float):
+        from gpuguard.report.make import make_report
+
+        if event is None and at is None:
+            raise HTTPException(422, detail="say which moment: ?event=ID or ?at=UNIXTIME")
+        try:
+            return make_report(flight(), event_id=event, at=at, before=before, after=after)
+        except HistoryError as e:
+            raise HTTPException(404, detail=str(e)) from None
+
+    @app.get("/report", include_in_schema=False, dependencies=read)
+    def report(event: int | None = Query(None, ge=1), at: float | None = None,
+               before: float = Query(120, ge=1, le=86400), after: float = Query(60, ge=0, le=86400)) -> HTMLResponse:
+        rep = _report(event, at, before, after)
+        return HTMLResponse(rep.html, headers={"Content-Security-Policy": REPORT_CSP})
+
+    @app.get("/report.png", include_in_schema=False, dependencies=read)
+    def report_png(event: int | None = Query(None, ge=1), at: float | None = None,
+                   before: float = Query(120, ge=1, le=86400), after: float = Query(60, ge=0, le=86400)) -> Response:
+        return Response(_report(event, at, before, after).png, media_type="image/png")
