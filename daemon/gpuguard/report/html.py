@@ -71,7 +71,7 @@ def render_html(window: Window, fig: Figure, focus: float, event: dict[str, Any]
             last_samples.append(f"<li>{escape(n)} at {_rel(g['t'][i], focus)}: {escape(', '.join(b for b in bits if b))}</li>")
     png = f'<p>PNG: <a href="{escape(png_name)}">{escape(png_name)}</a></p>' if png_name else ""
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1"><link rel="icon" href="data:,">
 <title>gpuguard report: {escape(title)} at {escape(_clock(focus))}</title><style>{CSS}</style></head>
 <body>
 <h1 id="headline">{escape(title)} — {escape(_clock(focus))}</h1>

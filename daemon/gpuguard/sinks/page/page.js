@@ -162,6 +162,16 @@ async function loadLiveEvents() {
 }
 
 // ---- views --------------------------------------------------------------------------
+// The time axis: the chosen range, or less when the history is younger than that (a
+// daemon started a minute ago draws its minute across the whole width).
+function axis() {
+  const t1 = now();
+  let first = Infinity;
+  for (const group of [state.hist ? state.hist.gpus : {}, state.hist ? state.hist.engines : {}])
+    for (const g of Object.values(group)) if (g.t.length) first = Math.min(first, g.t[0]);
+  return [Math.max(t1 - state.range, Math.min(first - 5, t1 - 60)), t1];
+}
+
 function profileFor(gpu) {
   const entry = ((state.config || {}).gpus || []).find(g => g.name === gpu);
   const name = entry && entry.profile;
@@ -172,7 +182,7 @@ function profileFor(gpu) {
 function renderGpus() {
   const box = $("gpu-cards");
   const gpus = (state.status && state.status.gpus) || [];
-  const t1 = now(), t0 = t1 - state.range;
+  const [t0, t1] = axis();
   const frag = document.createDocumentFragment();
   for (const g of gpus) {
     const h = (state.hist && state.hist.gpus[g.name]) || { t: [] };
@@ -253,7 +263,7 @@ function renderEngines() {
   }
   table.append(tb);
   frag.append(table);
-  const t1 = now(), t0 = t1 - state.range;
+  const [t0, t1] = axis();
   const hist = (state.hist && state.hist.engines) || {};
   const names = Object.keys(hist).sort();
   if (names.length) {
