@@ -42,6 +42,12 @@ def _asset(name: str) -> bytes:
 def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str | None) -> dict:
     """Series averaged per `step`-second bucket (SQLite does the work: an hour of 8 GPUs
     at 0.5 s is 57 600 rows; the page gets at most `points` per series)."""
+    # Bucket over the span that has data: a daemon started two minutes ago asked for an
+    # hour gets its two minutes at full resolution, not ten points.
+    asked = start
+    first = flight.q("SELECT min(t) FROM samples WHERE t >= ? AND t <= ?", (start, end))[0][0]
+    if first is not None:
+        start = max(start, first)
     step = max((end - start) / max(points, 1), 0.0)
     # `up` as a minimum: one lost sample in a bucket shows as down, not as 0.97
     agg = ", ".join("min(up)" if k == "up" else f"avg({k})" for k in GPU_SERIES)
@@ -71,7 +77,7 @@ def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str 
         e["state"].append(r[2])
         for k, v in zip(ENGINE_SERIES, r[3:]):
             e[k].append(None if v is None else round(v, 3))
-    events = flight.events(start, end, gpu, limit=500)
+    events = flight.events(asked, end, gpu, limit=500)
     return {"start": start, "end": end, "step": step, "gpus": gpus, "engines": engines, "events": events}
 
 

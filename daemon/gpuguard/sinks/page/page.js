@@ -67,7 +67,7 @@ function chart(title, unit, series, limits, t0, t1) {
                             "data-title": title });
   root.append(svg("rect", { x: L, y: T, width: W - L - R, height: H - T - B, fill: "#fcfcfc", stroke: "#ddd" }));
   const tt = svg("text", { x: 4, y: 12, class: "title" }); tt.textContent = `${title} (${unit})`; root.append(tt);
-  let lx = 4 + 7 * (title.length + unit.length + 3);
+  let lx = 14 + 6.5 * (title.length + unit.length + 3);
   for (const v of yt) {
     root.append(svg("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), stroke: "#eee" }));
     const t = svg("text", { x: L - 3, y: y(v) + 3, "text-anchor": "end", class: "ylabel" });
@@ -77,14 +77,19 @@ function chart(title, unit, series, limits, t0, t1) {
   const step = [10, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200].find(s => span / s <= 5) || 21600;
   for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) {
     root.append(svg("line", { x1: x(t), x2: x(t), y1: T, y2: H - B, stroke: "#f0f0f0" }));
-    const lab = svg("text", { x: x(t), y: H - 6, "text-anchor": "middle", class: "xlabel" });
+    const edge = x(t) > W - R - 24 ? "end" : x(t) < L + 24 ? "start" : "middle";
+    const lab = svg("text", { x: x(t), y: H - 6, "text-anchor": edge, class: "xlabel" });
     lab.textContent = clock(t).slice(0, step >= 60 ? 5 : 8); root.append(lab);
   }
+  let lxEnd = W - R - 2;
   for (const l of limits || []) {
     if (l.value == null) continue;
     root.append(svg("line", { x1: L, x2: W - R, y1: y(l.value), y2: y(l.value), stroke: l.colour || "#b00020",
                               "stroke-dasharray": "4,3", class: "limit", "data-label": l.label }));
-    const t = svg("text", { x: W - R - 2, y: y(l.value) - 2, "text-anchor": "end" }); t.textContent = l.label;
+    // limits often sit together (edge and junction crit): their labels side by side, not on top
+    const t = svg("text", { x: lxEnd, y: y(l.value) + 10, "text-anchor": "end", fill: l.colour || "#b00020" });
+    t.textContent = l.label;
+    lxEnd -= 6 * l.label.length + 8;
     root.append(t);
   }
   for (const s of series) {
