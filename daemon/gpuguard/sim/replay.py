@@ -145,10 +145,15 @@ def incident_2(path: str, t0: float) -> Replay:
 
 
 def history(path: str, t0: float, seconds: float, gpus: int = 8, step: float = STEP, events_every: float = 60.0) -> Replay:
-    """A long, unremarkable history (bench/: page load with 8 GPUs and an hour behind)."""
-    rec = FlightRecorder(path, keep_seconds=10 * 86400)
+    """A long, unremarkable history (bench/: page load with 8 GPUs and an hour behind).
+    Rows are made by the recorder's own row functions and written in large transactions
+    (one fsync per poll, as the daemon does, would take minutes for an hour)."""
+    import sqlite3
+
+    FlightRecorder(path).close()  # the schema
     names = [f"gpu{i}" for i in range(gpus)]
-    batch: list = []
+    samples: list[tuple] = []
+    events: list[Event] = []
     t = 0.0
     n = 0
     while t <= seconds:
@@ -159,17 +164,13 @@ def history(path: str, t0: float, seconds: float, gpus: int = 8, step: float = S
                  junction=75 + 10 * math.sin(t / 90 + i), mem=70.0, sclk=2.5e9, mclk=1.258e9, fan=1500.0,
                  busy=0.5 + 0.5 * math.sin(t / 60 + i), vram=20 * 2**30)
             for i, name in enumerate(names))
-        evs = []
+        samples += FlightRecorder.sample_rows(HostSnapshot(now, snaps))
         if events_every and n % max(1, int(events_every / step)) == 0:
-            evs.append(Event(kind="note", severity="info", source="bench", message=f"tick {n}", gpu=names[0], time=now))
-        batch.append(rec.record(HostSnapshot(now, snaps), events=evs))
-        if len(batch) > 500:
-            for f in batch:
-                f.result()
-            batch = []
+            events.append(Event(kind="note", severity="warning" if n % 7 else "alert", source="bench",
+                                message=f"tick {n}", gpu=names[n % gpus], time=now))
         t = round(t + step, 3)
         n += 1
-    for f in batch:
-        f.result()
-    rec.close()
+    with sqlite3.connect(path) as db:
+        db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", samples)
+        db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?,?,?)", FlightRecorder.event_rows(events))
     return Replay(path, t0 + seconds, None, tuple(names))

@@ -16,6 +16,7 @@ changes state, and nothing is ever done from a GET.
 """
 from __future__ import annotations
 
+import json
 import time
 from importlib import resources
 from typing import Callable
@@ -39,43 +40,77 @@ def _asset(name: str) -> bytes:
     return resources.files("gpuguard.sinks").joinpath("page", name).read_bytes()
 
 
-def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str | None) -> dict:
-    """Series averaged per `step`-second bucket (SQLite does the work: an hour of 8 GPUs
-    at 0.5 s is 57 600 rows; the page gets at most `points` per series)."""
+# Bucket widths: fixed steps aligned to multiples of themselves, so a bucket that has
+# finished is the same bucket in every later request and its average can be kept.
+STEPS = (0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
+SETTLE_SECONDS = 10.0  # a poll's rows are committed well within this
+
+
+class BucketCache:
+    """Averages of finished buckets never change: keep them, and aggregate only the buckets
+    since (the page polls every 2 s; an hour of 8 GPUs is 57 600 rows to average once)."""
+
+    def __init__(self, max_entries: int = 32) -> None:
+        self.max_entries = max_entries
+        self._entries: dict[tuple, tuple[int, int, dict]] = {}  # key -> (lo, settled, {(who, k): row})
+
+    def rows(self, flight: FlightLog, sql: str, key: tuple, step: float, start: float, end: float,
+             args: tuple = ()) -> list[tuple]:
+        """`sql` selects (who, bucket, ...) for `t >= ? AND t <= ?` + `args`, grouped by
+        who and bucket = CAST(t / step AS INTEGER)."""
+        lo_k, hi_k = int(start // step), int(end // step)
+        lo, settled, rows = self._entries.get(key, (lo_k, lo_k - 1, {}))
+        if lo_k < lo:  # asked further back than what is kept: start over
+            lo, settled, rows = lo_k, lo_k - 1, {}
+        for r in flight.q(sql, (max(start, (settled + 1) * step), end) + args):
+            rows[(r[0], r[1])] = r
+        now_settled = min(hi_k, int((time.time() - max(2 * step, SETTLE_SECONDS)) // step))
+        if now_settled > settled:
+            self._entries.pop(key, None)
+            if len(self._entries) >= self.max_entries:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = (lo, now_settled, {k: v for k, v in rows.items() if k[1] <= now_settled})
+        return [rows[k] for k in sorted(rows) if lo_k <= k[1] <= hi_k]
+
+
+def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str | None,
+             cache: BucketCache | None = None) -> dict:
+    """Series averaged per `step`-second bucket (SQLite does the work; the page gets at
+    most about `points` per series)."""
+    cache = cache if cache is not None else BucketCache()
     # Bucket over the span that has data: a daemon started two minutes ago asked for an
     # hour gets its two minutes at full resolution, not ten points.
     asked = start
     first = flight.q("SELECT min(t) FROM samples WHERE t >= ? AND t <= ?", (start, end))[0][0]
     if first is not None:
         start = max(start, first)
-    step = max((end - start) / max(points, 1), 0.0)
+    step = next((s for s in STEPS if s >= (end - start) / max(points, 1)), STEPS[-1])
     # `up` as a minimum: one lost sample in a bucket shows as down, not as 0.97
     agg = ", ".join("min(up)" if k == "up" else f"avg({k})" for k in GPU_SERIES)
-    where, args = "t >= ? AND t <= ?", (start, end)
+    where, args = "", ()
     if gpu:
-        where += " AND (gpu = ? OR bdf = ?)"
-        args += (gpu, gpu)
-    key = f"CAST((t - {start!r}) / {step!r} AS INTEGER)" if step > 0 else "t"
-    rows = flight.q(f"SELECT gpu, max(bdf), max(t), {agg} FROM samples WHERE {where} GROUP BY gpu, {key} "
-                    "ORDER BY gpu, max(t)", args)
+        where, args = " AND (gpu = ? OR bdf = ?)", (gpu, gpu)
+    bucket = f"CAST(t / {step!r} AS INTEGER)"
+    rows = cache.rows(flight, f"SELECT gpu, {bucket} AS k, max(bdf), max(t), {agg} FROM samples "
+                              f"WHERE t >= ? AND t <= ?{where} GROUP BY gpu, k", ("samples", gpu, step), step, start, end, args)
     gpus: dict[str, dict] = {}
     for r in rows:
-        g = gpus.setdefault(r[0], {"bdf": r[1], "t": [], **{k: [] for k in GPU_SERIES}})
-        g["t"].append(round(r[2], 3))
-        for k, v in zip(GPU_SERIES, r[3:]):
+        g = gpus.setdefault(r[0], {"bdf": r[2], "t": [], **{k: [] for k in GPU_SERIES}})
+        g["t"].append(round(r[3], 3))
+        for k, v in zip(GPU_SERIES, r[4:]):
             g[k].append(None if v is None else round(v, 3))
     engines: dict[str, dict] = {}
     try:
         eagg = ", ".join(f"avg({k})" for k in ENGINE_SERIES)
-        erows = flight.q(f"SELECT engine, max(t), max(state), {eagg} FROM engine_samples WHERE t >= ? AND t <= ? "
-                         f"GROUP BY engine, {key} ORDER BY engine, max(t)", (start, end))
+        erows = cache.rows(flight, f"SELECT engine, {bucket} AS k, max(t), max(state), {eagg} FROM engine_samples "
+                                   "WHERE t >= ? AND t <= ? GROUP BY engine, k", ("engines", step), step, start, end)
     except HistoryError:
         erows = []  # a recorder file from before engine rows existed
     for r in erows:
         e = engines.setdefault(r[0], {"t": [], "state": [], **{k: [] for k in ENGINE_SERIES}})
-        e["t"].append(round(r[1], 3))
-        e["state"].append(r[2])
-        for k, v in zip(ENGINE_SERIES, r[3:]):
+        e["t"].append(round(r[2], 3))
+        e["state"].append(r[3])
+        for k, v in zip(ENGINE_SERIES, r[4:]):
             e[k].append(None if v is None else round(v, 3))
     events = flight.events(asked, end, gpu, limit=500)
     return {"start": start, "end": end, "step": step, "gpus": gpus, "engines": engines, "events": events}
@@ -85,6 +120,7 @@ def mount_page(app: FastAPI, recorder: Callable[[], FlightRecorder | None]) -> N
     """Add the page's routes to the daemon's app. `recorder()` is the running flight
     recorder, or None when `recorder.enabled` is off (history answers 501 then)."""
     read = [Depends(read_access)]
+    cache = BucketCache()
 
     def flight() -> FlightLog:
         rec = recorder()
@@ -109,15 +145,17 @@ def mount_page(app: FastAPI, recorder: Callable[[], FlightRecorder | None]) -> N
         until: float | None = Query(None, description="unix time (default: now)"),
         points: int = Query(300, ge=10, le=5000, description="at most this many points per series"),
         gpu: str | None = Query(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$"),
-    ) -> dict:
+    ) -> Response:
         end = until if until is not None else time.time()
         start = since if since is not None else end - 900
         if start > end:
             raise HTTPException(422, detail=f"since ({start}) is after until ({end})")
         try:
-            return bucketed(flight(), start, end, points, gpu)
+            doc = bucketed(flight(), start, end, points, gpu, cache)
         except HistoryError as e:
             raise HTTPException(500, detail=str(e)) from None
+        # plain json.dumps: FastAPI's encoder walks every one of the ~30 000 numbers
+        return Response(json.dumps(doc, separators=(",", ":")), media_type="application/json")
 
     def _report(event: int | None, at: float | None, before: float, after: float):
         from gpuguard.report.make import make_report

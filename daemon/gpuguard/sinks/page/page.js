@@ -374,23 +374,34 @@ function showView() {
 async function refresh(full) {
   try {
     const optional = p => getJSON(p).catch(e => (e.status === 501 || e.status === 503 ? null : Promise.reject(e)));
-    const [status, engines] = await Promise.all([getJSON("/v1/status"), optional("/v1/engines")]);
-    state.status = status; state.engines = engines;
-    if (full || !state.config) {
-      [state.config, state.profiles] = await Promise.all([optional("/v1/config"), optional("/v1/profiles")]);
-    }
-    if (full || now() - state.pcieAt > 10) { state.pcie = await optional("/v1/pcie"); state.pcieAt = now(); }
-    if (state.histOk !== false) await loadHistory(full);
+    // every read at once: the first paint waits for the slowest, not for their sum
+    const wantConfig = full || !state.config, wantPcie = full || now() - state.pcieAt > 10;
+    const [status, engines, config, profiles, pcie] = await Promise.all([
+      getJSON("/v1/status"), optional("/v1/engines"),
+      wantConfig ? optional("/v1/config") : state.config, wantConfig ? optional("/v1/profiles") : state.profiles,
+      wantPcie ? optional("/v1/pcie") : state.pcie,
+      state.histOk !== false ? loadHistory(full) : null,
+    ]);
+    Object.assign(state, { status, engines, config, profiles, pcie });
+    if (wantPcie) state.pcieAt = now();
     if (state.histOk === false) { sampleLive(status.gpus); await loadLiveEvents(); }
     setStatus(`updated ${clock(now())}`);
-    document.body.dataset.loaded = "1";
+    performance.mark("gpuguard-data");
   } catch (e) {
     setStatus(`cannot reach gpuguard: ${e.message}`, true);
   }
   render();
+  if (!document.body.dataset.loaded) { performance.mark("gpuguard-drawn"); document.body.dataset.loaded = "1"; }
 }
 
 function main() {
+  // ?range=3600 opens the page on that range (links, bookmarks, the page-load benchmark)
+  const asked = +new URLSearchParams(location.search).get("range");
+  if (asked > 0) {
+    state.range = asked;
+    if (![...$("range").options].some(o => +o.value === asked)) $("range").append(el("option", { value: String(asked), text: `${asked} s` }));
+    $("range").value = String(asked);
+  }
   $("range").addEventListener("change", () => { state.range = +$("range").value; state.hist = null; refresh(true); });
   const tok = $("token");
   tok.value = sessionStorage.getItem("gpuguard-token") || "";
