@@ -79,7 +79,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         def bdf(gpu: str) -> str:
             if gpu in names:
                 return names[gpu]
-            known = set(call("gpus")) | set(names.values())
+            known = set(call("all_gpus")) | set(names.values())
             if gpu in known:
                 return gpu
             raise ControlError(f"no GPU named {gpu!r}; known: {', '.join(sorted(names) or sorted(known))}")
@@ -106,7 +106,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
             result = call("unblock", bdf=bdf(args.gpu))
         elif c == "load":
             level = None if args.level == "auto" else float(args.level)
-            result = call("load", bdf=bdf(args.gpu), level=level)
+            if info:  # the demo: pinned against its load pattern
+                result = call("load", bdf=bdf(args.gpu), level=level)
+            elif level is None:
+                raise ControlError("'auto' needs the demo's load pattern; this host has none: give a level 0..1")
+            else:  # a host without the demo's load pattern: set it directly
+                result = call("set_load", bdf=bdf(args.gpu), level=level)
         elif c == "engine":
             result = call("engine", action=args.action, step_time=args.step_time)
         elif c == "kmsg":

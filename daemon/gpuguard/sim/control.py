@@ -7,7 +7,7 @@ lose_gpu(bdf, err?), return_gpu(bdf), add_late_gpu(bdf, after_s?), appear(bdf), 
 garbage(bdf, file, text), clear_garbage(bdf, file?), block(bdf, file), unblock(bdf, file?),
 suspend(bdf, resume_error?), resume(bdf), reset_gpu(bdf, steps?),
 ignore_first_write(bdf, kind?), aer_error(bdf, name?, count?, severity?), plus
-state() (JSON summary), gpus(), kernel_log(since=0) (raw /dev/kmsg records), read(path)
+state() (JSON summary), gpus(), all_gpus(), kernel_log(since=0) (raw /dev/kmsg records), read(path)
 (latin-1 text), write(path, data).
 
     from gpuguard.sim.control import send
@@ -56,13 +56,15 @@ def handle(host: SimHost, req: dict, extra: dict[str, Callable[..., Any]] | None
         return None
     if op == "gpus":
         return host.gpus
+    if op == "all_gpus":  # lost and not-yet-appeared ones too
+        return host.all_gpus
     if op == "kernel_log":
         return host.kmsg_lines(int(req.get("since", 0)))
     if op == "read":
         return host.read(req["path"]).decode("latin-1")
     if op == "write":
         return host.write(req["path"], req["data"].encode("latin-1"))
-    known = HOST_OPS + ("block", "gpus", "kernel_log", "read", "write") + tuple(extra or ())
+    known = HOST_OPS + ("block", "gpus", "all_gpus", "kernel_log", "read", "write") + tuple(extra or ())
     raise ControlError(f"unknown op {op!r}; known: {', '.join(known)}")
 
 
