@@ -64,7 +64,10 @@ class BucketCache:
             lo, settled, rows = lo_k, lo_k - 1, {}
         for r in flight.q(sql, (max(start, (settled + 1) * step), end) + args):
             rows[(r[0], r[1])] = r
-        now_settled = min(hi_k, int((time.time() - max(2 * step, SETTLE_SECONDS)) // step))
+        # finished: older than the settle time, and older than the newest bucket with rows
+        # (rows only ever arrive at the end; the newest bucket may still be filling)
+        newest = max((k for _, k in rows), default=lo_k - 1)
+        now_settled = min(hi_k, newest - 1, int((time.time() - max(2 * step, SETTLE_SECONDS)) // step))
         if now_settled > settled:
             self._entries.pop(key, None)
             if len(self._entries) >= self.max_entries:
