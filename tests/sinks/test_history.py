@@ -77,3 +77,23 @@ def test_history_endpoint_serves_the_recorder_and_says_when_there_is_none(tmp_pa
     off = c.get("/v1/history")
     assert off.status_code == 501 and "recorder.enabled" in off.json()["detail"]
     rec.close()
+
+
+def test_page_history_and_reports_follow_the_read_api_rules(tmp_path):
+    """Listening beyond loopback without api.open_reads: the page, its assets, history and
+    reports need the token like every other read."""
+    from gpuguard.sinks.auth import AccessPolicy, TokenStore
+
+    rec = FlightRecorder(str(tmp_path / "f.sqlite"))
+    hub = Hub()
+    app = build_app(hub, MetricsSink(hub), tokens=TokenStore({"ops": "s3cret-token-value"}),
+                    policy=AccessPolicy("0.0.0.0", False))
+    mount_page(app, lambda: rec)
+    c = TestClient(app)
+    for path in ("/", "/page/page.js", "/v1/history", "/report?at=1"):
+        assert c.get(path).status_code == 401, path
+    ok = {"Authorization": "Bearer s3cret-token-value"}
+    assert c.get("/", headers=ok).status_code == 200
+    assert c.get("/page/page.js", headers=ok).headers["content-type"].startswith("text/javascript")
+    assert c.get("/v1/history", headers=ok).status_code == 200
+    rec.close()
