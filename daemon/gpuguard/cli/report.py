@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from gpuguard.config import ConfigError
-    from gpuguard.report.make import make_report
+    from gpuguard.report.make import make_report, pick_focus
     from gpuguard.sinks.history import FlightLog, HistoryError, parse_duration, parse_time
 
     try:
@@ -49,8 +49,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         flight = FlightLog.open(db_path(args))
         if out is None:
-            probe = make_report(flight, event_id=args.event, at=at, before=before, after=after, gpu=args.gpu)
-            out = time.strftime("gpuguard-report-%Y%m%d-%H%M%S.html", time.localtime(probe.focus))
+            focus, _ = pick_focus(flight, args.event, at)
+            out = time.strftime("gpuguard-report-%Y%m%d-%H%M%S.html", time.localtime(focus))
         png_path = os.path.splitext(out)[0] + ".png"
         rep = make_report(flight, event_id=args.event, at=at, before=before, after=after, gpu=args.gpu,
                           png_name=os.path.basename(png_path))
