@@ -83,13 +83,23 @@ class FlightLog:
         if not os.path.exists(path):
             raise HistoryError(f"flight recorder {path} not found (recorder.path in gpuguard.yaml; "
                                "default /var/lib/gpuguard/flight.sqlite)")
-        try:
-            # mode=ro: never write a file the owner copied as evidence. A copy without its
-            # -wal file still reads; one with it needs the -shm next to it (sqlite's rule).
-            db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True, check_same_thread=False)
-            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        except sqlite3.Error as e:
-            raise HistoryError(f"flight recorder {path}: cannot read it as SQLite: {e}") from None
+        # mode=ro: never write a file the owner copied as evidence. A WAL file next to it
+        # needs a writable folder for the -shm; where that fails (a read-only stick),
+        # immutable=1 reads the main file alone (what was checkpointed into it).
+        tables: set[str] = set()
+        db = None
+        for mode in ("mode=ro", "immutable=1"):
+            try:
+                db = sqlite3.connect(f"file:{os.path.abspath(path)}?{mode}", uri=True, check_same_thread=False)
+                tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                break
+            except sqlite3.Error as e:
+                error = e
+                if db is not None:
+                    db.close()
+                    db = None
+        if db is None:
+            raise HistoryError(f"flight recorder {path}: cannot read it as SQLite: {error}")
         if not {"samples", "events"} <= tables:
             raise HistoryError(f"{path} is an SQLite file but not a gpuguard flight recorder "
                                f"(no samples/events tables; has: {', '.join(sorted(tables)) or 'none'})")
