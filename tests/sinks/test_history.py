@@ -39,6 +39,11 @@ def test_cached_buckets_equal_a_fresh_computation_as_rows_arrive(tmp_path):
     fresh = bucketed(flight, t0, t0 + 700, 100, None)
     assert later["gpus"] == fresh["gpus"]
     assert len(later["gpus"]["g"]["t"]) > len(first["gpus"]["g"]["t"])
+    # a window that moves on drops what scrolled out of it (a page open for a day)
+    moved = bucketed(flight, t0 + 100, t0 + 800, 100, None, cache)
+    assert moved["step"] == later["step"]
+    kept = cache._entries[("samples", None, later["step"])][2]
+    assert kept and min(k for _, k in kept) >= int((t0 + 100) // later["step"])
     # each bucket is the plain average of the recorder's rows in it
     step = fresh["step"]
     rows = rec.query("SELECT t, power_w FROM samples ORDER BY t")

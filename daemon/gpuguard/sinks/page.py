@@ -68,11 +68,15 @@ class BucketCache:
         # (rows only ever arrive at the end; the newest bucket may still be filling)
         newest = max((k for _, k in rows), default=lo_k - 1)
         now_settled = min(hi_k, newest - 1, int((time.time() - max(2 * step, SETTLE_SECONDS)) // step))
-        if now_settled > settled:
+        new_lo, new_settled = max(lo, lo_k), max(settled, now_settled)
+        if new_settled > settled or new_lo > lo:
             self._entries.pop(key, None)
             if len(self._entries) >= self.max_entries:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = (lo, now_settled, {k: v for k, v in rows.items() if k[1] <= now_settled})
+            # what scrolled out of this request's window goes (a page left open for a day
+            # must not grow the cache); a later request further back starts over
+            self._entries[key] = (new_lo, new_settled,
+                                  {k: v for k, v in rows.items() if new_lo <= k[1] <= new_settled})
         return [rows[k] for k in sorted(rows) if lo_k <= k[1] <= hi_k]
 
 
