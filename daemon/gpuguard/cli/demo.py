@@ -189,6 +189,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except ImportError as e:  # mfusepy comes with the [test] extra, not a plain install
             reason = f"{e.name or 'mfusepy'} is not installed (pip install mfusepy)"
             fuse_mount = None
+        except OSError as e:  # mfusepy raises this at import when libfuse is missing
+            reason = f"{e} (apt-get install fuse3)"
+            fuse_mount = None
         else:
             reason = fuse_available()
         if reason:
