@@ -206,3 +206,21 @@ def test_report_on_an_empty_recorder_says_so(tmp_path):
     FlightRecorder(str(tmp_path / "f.sqlite")).close()
     res = gpuguard("report", "--db", str(tmp_path / "f.sqlite"), "-o", str(tmp_path / "r.html"))
     assert res.returncode == 1 and "empty" in res.stderr
+
+
+def test_total_power_sums_each_poll_when_every_gpu_is_read_at_its_own_instant():
+    """In the daemon each GPU's row carries the time of its own read (a few ms apart within
+    a poll): the host total must still be one sum per poll, not one GPU at a time."""
+    from gpuguard.report.figure import total_power
+    from gpuguard.sinks.history import Window
+
+    def gpu(offset: float, power: float, lost_after: int | None = None) -> dict:
+        t = [1000 + i * 0.5 + offset for i in range(20)]
+        p = [None if lost_after is not None and i >= lost_after else power + i for i in range(20)]
+        return {"bdf": "x", "t": t, "power_w": p}
+
+    w = Window(1000, 1010, {"a": gpu(0.0, 100), "b": gpu(0.013, 200), "c": gpu(0.021, 50, lost_after=10)}, {}, [])
+    ts, totals = total_power(w)
+    assert len(ts) == 20
+    assert list(totals[:10]) == [350 + 3 * i for i in range(10)]
+    assert list(totals[10:]) == [300 + 2 * i for i in range(10, 20)]  # the lost GPU adds nothing

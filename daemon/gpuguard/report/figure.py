@@ -139,6 +139,32 @@ GPU_PANELS: tuple[tuple[str, str, tuple[tuple[str, str, float, bool], ...]], ...
 )
 
 
+def total_power(window: Window, stale: float = 10.0) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The host's GPU draw per poll: each GPU is read at its own instant within a poll, so
+    rows are grouped into polls (a poll holds each GPU once) and the total is the sum of
+    every GPU's latest reading at the end of the poll. A GPU not read for `stale` seconds,
+    or whose power could not be read, adds nothing."""
+    rows = sorted((t, gpu, v) for gpu, g in window.gpus.items() for t, v in zip(g["t"], g["power_w"]))
+    latest: dict[str, tuple[float, float | None]] = {}
+    ts: list[float] = []
+    totals: list[float] = []
+    in_poll: set[str] = set()
+
+    def close(at: float) -> None:
+        ts.append(at)
+        totals.append(sum(v for t, v in latest.values() if v is not None and at - t <= stale))
+
+    for i, (t, gpu, v) in enumerate(rows):
+        if gpu in in_poll:
+            close(rows[i - 1][0])
+            in_poll = set()
+        in_poll.add(gpu)
+        latest[gpu] = (t, v)
+    if rows:
+        close(rows[-1][0])
+    return tuple(ts), tuple(totals)
+
+
 def build_figure(window: Window, focus: float | None = None, gpu_limits: dict[str, dict[str, float]] | None = None) -> Figure:
     """One panel per GPU and quantity, then the engines' tokens/s and no-progress seconds.
     `gpu_limits` (gpu -> {"edge_c": crit, ...}) stretches a scale to show a limit."""
@@ -146,16 +172,12 @@ def build_figure(window: Window, focus: float | None = None, gpu_limits: dict[st
     if len(window.gpus) > 1:
         # INCIDENTS §2: each card alone was fine; the two together tripped the PSU.
         series = []
-        total: dict[float, float] = {}
         for j, gpu in enumerate(sorted(window.gpus)):
             g = window.gpus[gpu]
             series.append(Series(f"{gpu} power_w", gpu, PALETTE[(j + 1) % len(PALETTE)], tuple(g["t"]), tuple(g["power_w"])))
-            for t, v in zip(g["t"], g["power_w"]):
-                if v is not None:
-                    total[t] = total.get(t, 0.0) + v
-        ts = tuple(sorted(total))
-        series.insert(0, Series("total power_w", "total", PALETTE[0], ts, tuple(total[t] for t in ts)))
-        y0, y1 = _range(list(total.values()))
+        ts, totals = total_power(window)
+        series.insert(0, Series("total power_w", "total", PALETTE[0], ts, totals))
+        y0, y1 = _range(list(totals))
         panels.append(Panel("all GPUs power", "W", tuple(series), y0, y1))
     for gpu in sorted(window.gpus):
         g = window.gpus[gpu]
