@@ -177,3 +177,27 @@ def test_actions_need_a_token_and_never_happen_from_a_get(demo):
     csp = page.headers["content-security-policy"]
     assert "default-src 'none'" in csp and "connect-src 'self'" in csp
     assert httpx.get(base + "/page/../daemon.py", timeout=10).status_code == 404
+
+
+def test_page_actions_post_only_with_a_token(demo, browser, wait_for):
+    """Kill from the page: without a token nothing is sent; with a wrong one the POST is
+    refused (401) and the page says so; the engine lives on either way."""
+    base = demo["base"]
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    posts: list[str] = []
+    page.on("request", lambda r: posts.append(r.url) if r.method == "POST" else None)
+    page.on("dialog", lambda d: d.accept())  # the "kill vllm-demo?" confirmation
+    page.goto(base + "/#engines")
+    page.wait_for_selector('#engine-table button.kill[data-engine="vllm-demo"]', timeout=30_000)
+    page.click('#engine-table button.kill[data-engine="vllm-demo"]')
+    wait_for(lambda: "type an API token" in page.inner_text("#status"), what="the page asking for a token")
+    assert posts == []
+    page.click("#tokenbox summary") if not page.locator("#tokenbox[open]").count() else None
+    page.fill("#token", "not-a-real-token")
+    page.press("#token", "Enter")
+    page.click('#engine-table button.kill[data-engine="vllm-demo"]')
+    wait_for(lambda: "HTTP 401" in page.inner_text("#status"), what="the refusal shown")
+    assert posts == [base + "/v1/engines/vllm-demo/kill"]
+    engines = httpx.get(base + "/v1/engines", timeout=10).json()
+    assert engines[0]["last_action"] in (None, "") or "kill" not in str(engines[0]["last_action"])
+    page.close()

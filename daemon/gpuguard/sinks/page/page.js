@@ -335,11 +335,19 @@ function renderProfiles() {
     const reset = el("button", { text: "reset to stock" });
     reset.addEventListener("click", () => act(`/v1/gpus/${encodeURIComponent(g.name)}/reset`, {}, `reset ${g.name}`));
     const verified = r.verified === true ? "yes" : r.verified === false ? "NO" : "–";
-    const detail = Object.entries(r).filter(([k]) => !["profile", "verified", "gpu"].includes(k))
-      .map(([k, v]) => `${k}: ${typeof v === "object" ? JSON.stringify(v) : v}`).join("; ");
+    // expected vs read back, setting by setting: "Applied" means read back equal
+    const expected = r.expected || (prof ? prof.settings : {});
+    const values = Object.entries(expected).map(([k, v]) => {
+      const got = r.readback ? r.readback[k] : undefined;
+      return got === undefined ? `${k} ${v}` : got === v ? `${k} ${v} ✓` : `${k} ${v} ≠ ${got}`;
+    }).join(", ");
+    const detail = el("td", { class: "msg" }, el("div", { text: [r.message, ...(r.errors || [])].filter(Boolean).join("; ") || "not applied" }),
+      el("div", { text: values }));
+    if (r.written && r.written.length) detail.append(el("details", {}, el("summary", { text: `${r.written.length} writes` }),
+      el("div", { text: r.written.join(" · ") })));
     tb.append(el("tr", { class: r.verified === false ? "alert" : "" }, el("td", { text: g.name }),
       el("td", { text: r.profile || (prof ? prof.name : "–") }), el("td", { class: "sev", text: verified }),
-      el("td", { class: "msg", text: detail.slice(0, 400) }), el("td", {}, sel, apply, reset)));
+      detail, el("td", {}, sel, apply, reset)));
   }
   table.append(tb);
   frag.append(table);
