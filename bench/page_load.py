@@ -30,7 +30,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import uvicorn  # noqa: E402
 
-from gpuguard.sim.replay import _gpu, history  # noqa: E402
+from gpuguard.sim.replay import gpu_snapshot, history  # noqa: E402
 from gpuguard.sinks.api import build_app  # noqa: E402
 from gpuguard.sinks.metrics import MetricsSink  # noqa: E402
 from gpuguard.sinks.page import mount_page  # noqa: E402
@@ -44,7 +44,7 @@ def serve(recorder: FlightRecorder) -> tuple[str, uvicorn.Server]:
     hub = Hub()
     now = time.time()
     hub.publish_snapshot(HostSnapshot(now, tuple(
-        _gpu(f"gpu{i}", f"0000:{0x10 + i:02x}:00.0", "Radeon AI PRO R9700", now, power=200.0, cap=280.0, edge=60.0,
+        gpu_snapshot(f"gpu{i}", f"0000:{0x10 + i:02x}:00.0", "Radeon AI PRO R9700", now, power=200.0, cap=280.0, edge=60.0,
              junction=75.0, mem=70.0, sclk=2.5e9, mclk=1.258e9, fan=1500.0, busy=0.9, vram=20 * 2**30)
         for i in range(GPUS))))
     app = build_app(hub, MetricsSink(hub))

@@ -29,7 +29,7 @@ class Replay:
     gpus: tuple[str, ...]
 
 
-def _gpu(name: str, bdf: str, model: str, t: float, *, up: bool = True, power: float | None = None,
+def gpu_snapshot(name: str, bdf: str, model: str, t: float, *, up: bool = True, power: float | None = None,
          cap: float = 355.0, edge: float | None = None, junction: float | None = None, mem: float | None = None,
          sclk: float | None = None, mclk: float | None = None, fan: float | None = None, busy: float | None = None,
          vram: int | None = None) -> GpuSnapshot:
@@ -80,11 +80,11 @@ def incident_1(path: str, t0: float) -> Replay:
         for i, (name, bdf, watts, temp, fan) in enumerate(cards):
             wob = math.sin(t / 3.0 + i)
             if up:
-                snaps.append(_gpu(name, bdf, "Radeon RX 7900 XTX", now, power=round(watts + 4 * wob, 1),
+                snaps.append(gpu_snapshot(name, bdf, "Radeon RX 7900 XTX", now, power=round(watts + 4 * wob, 1),
                                   edge=temp + wob, junction=temp + 18 + wob, mem=temp + 10, sclk=2.4e9 + 3e7 * wob,
                                   mclk=1.249e9, fan=fan + 10 * wob, busy=0.99, vram=22 * 2**30))
             else:
-                snaps.append(_gpu(name, bdf, "Radeon RX 7900 XTX", now, up=False))
+                snaps.append(gpu_snapshot(name, bdf, "Radeon RX 7900 XTX", now, up=False))
         decoding = t < stall_at
         tps = 41.0 + 2 * math.sin(t / 5.0) if decoding else 0.0
         if decoding:
@@ -129,12 +129,12 @@ def incident_2(path: str, t0: float) -> Replay:
                 # INCIDENTS §2: averages held near 250-263 W while transients tripped the PSU
                 climb = (t - both_at) / (trip_at - both_at) if t >= both_at else 0.0
                 power = 25 + ramp * (225 + 38 * climb + 6 * math.sin(t + i))
-                snaps.append(_gpu(name, bdf, "Radeon AI PRO R9700", now, power=round(power, 1), cap=280.0,
+                snaps.append(gpu_snapshot(name, bdf, "Radeon AI PRO R9700", now, power=round(power, 1), cap=280.0,
                                   edge=45 + 20 * ramp, junction=55 + 30 * ramp, mem=50 + 12 * ramp,
                                   sclk=(0.6 + 2.3 * ramp) * 1e9, mclk=1.258e9, fan=900 + 1100 * ramp, busy=ramp,
                                   vram=28 * 2**30))
             else:
-                snaps.append(_gpu(name, bdf, "Radeon AI PRO R9700", now, power=25.0, cap=280.0, edge=35.0,
+                snaps.append(gpu_snapshot(name, bdf, "Radeon AI PRO R9700", now, power=25.0, cap=280.0, edge=35.0,
                                   junction=36.0, mem=40.0, sclk=1.6e7, mclk=9.6e7, fan=0.0, busy=0.0, vram=2**28))
         futures.append(rec.record(HostSnapshot(now, tuple(snaps))))
         t = round(t + STEP, 3)
@@ -159,7 +159,7 @@ def history(path: str, t0: float, seconds: float, gpus: int = 8, step: float = S
     while t <= seconds:
         now = t0 + t
         snaps = tuple(
-            _gpu(name, f"0000:{0x10 + i:02x}:00.0", "Radeon AI PRO R9700", now,
+            gpu_snapshot(name, f"0000:{0x10 + i:02x}:00.0", "Radeon AI PRO R9700", now,
                  power=round(150 + 100 * math.sin(t / 60 + i), 1), cap=280.0, edge=60 + 10 * math.sin(t / 90 + i),
                  junction=75 + 10 * math.sin(t / 90 + i), mem=70.0, sclk=2.5e9, mclk=1.258e9, fan=1500.0,
                  busy=0.5 + 0.5 * math.sin(t / 60 + i), vram=20 * 2**30)
