@@ -244,6 +244,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     demo_info: dict = {}
 
     def kmsg(text: str, level: int = 3, bdf: str | None = None) -> dict:
+        if not 0 <= int(level) <= 7:  # a printk level; anything else reads as user space
+            raise ValueError(f"kernel log level {level} is not 0..7 (3 = err, 4 = warning, 6 = info)")
+        if "\n" in text:
+            raise ValueError("one kernel log line at a time (no newline in the text)")
         rec = host.kernel_log.add(int(level), text, bdf)
         return {"seq": rec.seq, "text": text}
 
