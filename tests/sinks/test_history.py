@@ -74,6 +74,10 @@ def test_history_endpoint_serves_the_recorder_and_says_when_there_is_none(tmp_pa
     assert c.get("/v1/history", params={"since": 10, "until": 5}).status_code == 422
     rep = c.get("/report", params={"event": doc["events"][2]["id"]})
     assert rep.status_code == 200 and "<svg" in rep.text
+    import re
+
+    png_link = re.search(r'href="(/report\.png\?[^"]+)"', rep.text).group(1).replace("&amp;", "&")
+    assert c.get(png_link).content[:4] == b"\x89PNG"
     assert c.get("/report").status_code == 422
     assert c.get("/report", params={"event": 99999}).status_code == 404
     png = c.get("/report.png", params={"at": r.focus})

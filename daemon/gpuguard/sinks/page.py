@@ -164,20 +164,22 @@ def mount_page(app: FastAPI, recorder: Callable[[], FlightRecorder | None]) -> N
         # plain json.dumps: FastAPI's encoder walks every one of the ~30 000 numbers
         return Response(json.dumps(doc, separators=(",", ":")), media_type="application/json")
 
-    def _report(event: int | None, at: float | None, before: float, after: float):
+    def _report(event: int | None, at: float | None, before: float, after: float, png_name: str | None = None):
         from gpuguard.report.make import make_report
 
         if event is None and at is None:
             raise HTTPException(422, detail="say which moment: ?event=ID or ?at=UNIXTIME")
         try:
-            return make_report(flight(), event_id=event, at=at, before=before, after=after)
+            return make_report(flight(), event_id=event, at=at, before=before, after=after, png_name=png_name)
         except HistoryError as e:
             raise HTTPException(404, detail=str(e)) from None
 
     @app.get("/report", include_in_schema=False, dependencies=read)
     def report(event: int | None = Query(None, ge=1), at: float | None = None,
                before: float = Query(120, ge=1, le=86400), after: float = Query(60, ge=0, le=86400)) -> HTMLResponse:
-        rep = _report(event, at, before, after)
+        query = "&".join(f"{k}={v}" for k, v in (("event", event), ("at", at), ("before", before), ("after", after))
+                         if v is not None)
+        rep = _report(event, at, before, after, png_name=f"/report.png?{query}")
         return HTMLResponse(rep.html, headers={"Content-Security-Policy": REPORT_CSP})
 
     @app.get("/report.png", include_in_schema=False, dependencies=read)
