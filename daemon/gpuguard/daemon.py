@@ -36,6 +36,7 @@ from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
 from gpuguard.sinks.metrics import MetricsSink
+from gpuguard.sinks.page import mount_page
 from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.sinks.reload_marker import ReloadMarker
 # -- service layer (issue 6): auth, audit, webhooks, sd_notify --
@@ -104,6 +105,8 @@ class Daemon:
             max_body_bytes=config.api.max_body_bytes,
             config_view=self.config_view,
         )
+        # issue 16: the web page, its history and on-demand incident reports (same port and rules)
+        mount_page(self.app, lambda: self.recorder)
         self.unix_server: _Server | None = None
         self.notify = SystemdNotify()
         self.reload_marker = ReloadMarker()
@@ -122,7 +125,7 @@ class Daemon:
                 log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
         if self.recorder is not None:
             rec = self.recorder
-            self.poller.on_cycle.append(lambda snap: rec.record(snap))
+            self.poller.on_cycle.append(lambda snap: rec.record(snap, engines=self.hub.view("engines")))
             self.hub.on_event(lambda e: rec.record(events=[e]))
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None

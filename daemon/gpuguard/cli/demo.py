@@ -31,6 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--write-tree", metavar="DIR", default=None, help="only write the simulated host to DIR and exit")
     p.add_argument("--no-engine", action="store_true", help="don't start the simulated vLLM engine")
+    p.add_argument("--engine-port", type=int, default=None, help="port of the simulated vLLM (default: a free one)")
+    p.add_argument("--control", default=None, metavar="SOCKET",
+                   help="control socket that `gpuguard sim` drives (default $GPUGUARD_SIM_SOCKET or "
+                        "/tmp/gpuguard-sim-<uid>.sock)")
+    p.add_argument("--real-kernel", action="store_true",
+                   help="read the machine's own /dev/kmsg and udev instead of the simulated kernel log")
     p.set_defaults(func=cmd_demo)
 
 
@@ -53,12 +59,14 @@ class DemoEngine:
     under a stand-in for systemd's Restart=always, kept busy with requests. Stall it
     (`curl -X POST URL/sim/stall`) and watch the watchdog alert, kill and see it return."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int | None = None) -> None:
         import subprocess
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "gpuguard.sim.engines", "--kind", "vllm", "--port", str(self.port), "--slots", "8"]
         self.proc = subprocess.Popen(
@@ -86,6 +94,19 @@ class DemoEngine:
         except (httpx.HTTPError, ValueError):
             pass  # starting, restarting or stalled: that is what the demo shows
 
+    def command(self, action: str, step_time: float | None = None) -> dict:
+        """stall / unstall / slow / hang / die, through the simulated engine's /sim/ door."""
+        import httpx
+
+        if action not in ("stall", "unstall", "slow", "hang", "die"):
+            raise ValueError(f"unknown engine action {action!r}; known: stall, unstall, slow, hang, die")
+        body = {"step_time": step_time if step_time is not None else 0.5} if action == "slow" else {}
+        try:
+            r = httpx.post(f"{self.url}/sim/{action}", json=body, timeout=2.0)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"engine at {self.url} did not answer ({type(e).__name__}): restarting or hung?") from None
+        return {"engine": self.url, "action": action, "status": r.status_code}
+
     def stop(self) -> None:
         import signal as _signal
 
@@ -105,10 +126,23 @@ class DemoLoad:
     def __init__(self, host) -> None:
         self.host = host
         self.t0 = time.monotonic()
+        self.pinned: dict[str, float] = {}  # bdf -> level set with `gpuguard sim load`
+
+    def pin(self, bdf: str, level: float | None) -> dict:
+        if level is None:
+            self.pinned.pop(bdf, None)
+        else:
+            if not 0.0 <= level <= 1.0:
+                raise ValueError(f"load {level} is not between 0 and 1")
+            self.pinned[bdf] = level
+            self.host.set_load(bdf, level)
+        return {"bdf": bdf, "load": level if level is not None else "auto"}
 
     def __call__(self) -> None:
         t = time.monotonic() - self.t0
         for i, bdf in enumerate(self.host.gpus):
+            if bdf in self.pinned:
+                continue
             phase = 0.0 if i < 2 else math.pi * (i % 2)
             level = 0.5 + 0.5 * math.sin(2 * math.pi * t / 60.0 + phase)
             self.host.set_load(bdf, round(max(0.0, min(1.0, level)), 3))
@@ -155,6 +189,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except ImportError as e:  # mfusepy comes with the [test] extra, not a plain install
             reason = f"{e.name or 'mfusepy'} is not installed (pip install mfusepy)"
             fuse_mount = None
+        except OSError as e:  # mfusepy raises this at import when libfuse is missing
+            reason = f"{e} (apt-get install fuse3)"
+            fuse_mount = None
         else:
             reason = fuse_available()
         if reason:
@@ -181,10 +218,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.no_engine and not config.engines and args.config is None:
         from gpuguard.engines.config import EngineConfig
 
-        engine = DemoEngine()
+        engine = DemoEngine(args.engine_port)
         config = config.model_copy(update={"engines": [EngineConfig.model_validate(engine.config())]})
         feed, step = engine.feed, runner.on_step
         runner.on_step = lambda: (step(), feed())
+
+    # The simulated kernel log reaches the daemon as kernel records through a FIFO standing
+    # in for /dev/kmsg (sim/kmsg_pipe.py): kernel-triggered actions work without root, and
+    # the machine's real kernel log stays out of the demo.
+    kpipe = None
+    if not args.real_kernel and config.kernel.enabled:
+        from gpuguard.sim.kmsg_pipe import KmsgPipe
+
+        fifo = os.path.join(state, "kmsg.fifo")
+        position = os.path.join(state, "kmsg-position.json")
+        if os.path.exists(position):
+            os.unlink(position)  # a new simulated boot: its sequence numbers start over
+        kpipe = KmsgPipe(host.kernel_log, fifo).start()
+        config = config.model_copy(update={"kernel": config.kernel.model_copy(
+            update={"kmsg_path": fifo, "udev": False, "state_file": position})})
+
+    from gpuguard.sim.control import ControlServer, default_socket
+
+    control_path = args.control or default_socket()
+    demo_info: dict = {}
+
+    def kmsg(text: str, level: int = 3, bdf: str | None = None) -> dict:
+        if not 0 <= int(level) <= 7:  # a printk level; anything else reads as user space
+            raise ValueError(f"kernel log level {level} is not 0..7 (3 = err, 4 = warning, 6 = info)")
+        if "\n" in text:
+            raise ValueError("one kernel log line at a time (no newline in the text)")
+        rec = host.kernel_log.add(int(level), text, bdf)
+        return {"seq": rec.seq, "text": text}
+
+    ops = {
+        "demo": lambda: demo_info,
+        "load": lambda bdf, level=None: load.pin(bdf, level),
+        "kmsg": kmsg,
+    }
+    if engine is not None:
+        ops["engine"] = engine.command
+    try:
+        control = ControlServer(host, control_path, ops).start()
+    except OSError as e:
+        print(f"gpuguard demo: cannot serve the control socket {control_path}: {e.strerror}; "
+              "`gpuguard sim` will not reach this demo (use --control PATH)", file=sys.stderr)
+        control = None
 
     listen = config.listen
     port = args.port if args.port is not None else listen.port
@@ -207,11 +286,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     def announce() -> None:
         base = f"http://{config.listen.address}:{daemon.bound_port}"
+        demo_info.update({
+            "scenario": args.scenario, "api": base, "root": root, "db": config.recorder.path,
+            "engine": engine.url if engine else None, "gpus": {name: bdf for bdf, name in daemon.poller.names.items()},
+        })
+        sim = "gpuguard sim" + (f" --control {control_path}" if args.control else "")
         print(
             "\n".join(
                 [
                     "",
                     f"gpuguard demo: simulated host '{args.scenario}' at {root}",
+                    f"  page:      {base}/",
                     f"  metrics:   {base}/metrics",
                     f"  status:    {base}/v1/status",
                     f"  events:    {base}/v1/events",
@@ -228,6 +313,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         f"    curl -X POST {engine.url}/sim/stall   # a hung request: watch it get killed and come back",
                     ]
                     if engine
+                    else []
+                )
+                + (
+                    [
+                        f"  drive it ({control_path}):",
+                        f"    {sim} engine stall        # then: {sim} engine unstall",
+                        f"    {sim} lose xtx-1          # device lost from bus; {sim} return xtx-1",
+                        f"    {sim} kmsg 'amdgpu 0000:05:00.0: amdgpu: GPU reset begin!' --gpu r9700-a",
+                        f"    gpuguard report --db {config.recorder.path} -o report.html",
+                    ]
+                    if control is not None
                     else []
                 )
                 + [
@@ -250,6 +346,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return asyncio.run(main())
     finally:
         runner.stop()
+        if control is not None:
+            control.stop()
+        if kpipe is not None:
+            kpipe.stop()
         if engine is not None:
             engine.stop()
         if mount is not None:

@@ -3,11 +3,11 @@
 Each request is one line `{"op": NAME, ...arguments}`; each answer one line
 `{"ok": true, "result": ...}` or `{"ok": false, "error": "..."}`. Operations (SimHost
 methods of the same name): set_load(bdf, level), set_vram(bdf, used_bytes), step(dt),
-lose_gpu(bdf, err?), add_late_gpu(bdf, after_s?), appear(bdf), renumber_hwmon(),
+lose_gpu(bdf, err?), return_gpu(bdf), add_late_gpu(bdf, after_s?), appear(bdf), renumber_hwmon(),
 garbage(bdf, file, text), clear_garbage(bdf, file?), block(bdf, file), unblock(bdf, file?),
 suspend(bdf, resume_error?), resume(bdf), reset_gpu(bdf, steps?),
 ignore_first_write(bdf, kind?), transients(bdf, scale?), aer_error(bdf, name?, count?, severity?), plus
-state() (JSON summary), gpus(), kernel_log(since=0) (raw /dev/kmsg records), read(path)
+state() (JSON summary), gpus(), all_gpus(), kernel_log(since=0) (raw /dev/kmsg records), read(path)
 (latin-1 text), write(path, data).
 
     from gpuguard.sim.control import send
@@ -22,20 +22,30 @@ import os
 import socket
 import socketserver
 import threading
+from typing import Any, Callable
 
 from .host import SimHost
 
-HOST_OPS = ("set_load", "set_vram", "step", "lose_gpu", "add_late_gpu", "appear", "renumber_hwmon",
+HOST_OPS = ("set_load", "set_vram", "step", "lose_gpu", "return_gpu", "add_late_gpu", "appear", "renumber_hwmon",
             "garbage", "clear_garbage", "unblock", "suspend", "resume", "reset_gpu",
             "ignore_first_write", "transients", "aer_error", "state")
+
+
+def default_socket() -> str:
+    """Where `gpuguard demo` serves its control channel and `gpuguard sim` looks for it."""
+    import tempfile
+
+    return os.environ.get("GPUGUARD_SIM_SOCKET") or os.path.join(tempfile.gettempdir(), f"gpuguard-sim-{os.getuid()}.sock")
 
 
 class ControlError(RuntimeError):
     pass
 
 
-def handle(host: SimHost, req: dict):
+def handle(host: SimHost, req: dict, extra: dict[str, Callable[..., Any]] | None = None):
     op = req.pop("op", None)
+    if extra and op in extra:  # what the program running the host adds (the demo: engine, kmsg, load)
+        return extra[op](**req)
     if op in HOST_OPS:
         if "err" in req and isinstance(req["err"], str):
             import errno
@@ -46,20 +56,25 @@ def handle(host: SimHost, req: dict):
         return None
     if op == "gpus":
         return host.gpus
+    if op == "all_gpus":  # lost and not-yet-appeared ones too
+        return host.all_gpus
     if op == "kernel_log":
         return host.kmsg_lines(int(req.get("since", 0)))
     if op == "read":
         return host.read(req["path"]).decode("latin-1")
     if op == "write":
         return host.write(req["path"], req["data"].encode("latin-1"))
-    raise ControlError(f"unknown op {op!r}; known: {', '.join(HOST_OPS + ('block', 'gpus', 'kernel_log', 'read', 'write'))}")
+    known = HOST_OPS + ("block", "gpus", "all_gpus", "kernel_log", "read", "write") + tuple(extra or ())
+    raise ControlError(f"unknown op {op!r}; known: {', '.join(known)}")
 
 
 class ControlServer:
     """Serves the control channel for `host` on `path` in a background thread."""
 
-    def __init__(self, host: SimHost, path: str) -> None:
+    def __init__(self, host: SimHost, path: str, extra: dict[str, Callable[..., Any]] | None = None) -> None:
         self.host = host
+        self.extra = extra if extra is not None else {}
+        outer = self
         self.path = path
         if os.path.exists(path):
             os.unlink(path)
@@ -74,7 +89,7 @@ class ControlServer:
                         req = json.loads(line)
                         if not isinstance(req, dict):
                             raise ControlError("request must be a JSON object")
-                        out = {"ok": True, "result": handle(host_ref, req)}
+                        out = {"ok": True, "result": handle(host_ref, req, outer.extra)}
                     except OSError as e:
                         out = {"ok": False, "error": f"{type(e).__name__}: {e}", "errno": e.errno}
                     except Exception as e:  # noqa: BLE001 - reported to the client, server stays up

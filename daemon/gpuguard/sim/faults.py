@@ -39,6 +39,20 @@ class FaultInjection:
             if steps_before_removal <= 0:
                 self._remove(g)
 
+    def return_gpu(self, bdf: str) -> None:
+        """A lost GPU comes back (what a cold power-cycle does on real hardware): stock
+        settings, a new cardN/hwmonN, the driver's init line in the kernel log."""
+        with self.lock:
+            g = self.gpu(bdf)
+            if g.faults.lost_stage == 0 and g.present:
+                return
+            g.faults.lost_stage = 0
+            g.faults.lost_errno = errno.EIO
+            g.faults.removal_in = 0
+            g.present = False
+            self._appear(g)
+            self._rebuild()
+
     def _remove(self, g) -> None:
         g.faults.lost_stage = 2
         g.release_blocked()

@@ -27,6 +27,19 @@ SCENARIOS: dict[str, Callable[[int], SimHost]] = {
 }
 
 
+# One line each, for `gpuguard sim scenarios`.
+SCENARIO_HELP: dict[str, str] = {
+    "incident": "INCIDENTS §4 host: 2x R9700 on CPU root ports, 2x 7900 XTX behind a switch whose slot hop trained at Gen2",
+    "incident-x8": "as incident, with the XTX pair in x8 slots",
+    "incident-chipset": "as incident, plus an R9700 on a chipset x4 root port without AtomicOps (INCIDENTS §6)",
+    "incident-late": "as incident, with R9700 08:00.0 appearing 5 s after start (INCIDENTS §2: the late card)",
+    "incident-no-od": "as incident, booted without OD in amdgpu.ppfeaturemask: profiles cannot apply",
+    "incident-7.0": "as incident, with the Linux 7.0 era sysfs formats",
+    "bench32": "the incident host plus 28 more GPUs (32 in all), for benchmarks",
+    "amd-only-r9700": "the two R9700 only (INCIDENTS §2 host)",
+}
+
+
 def _late(host: SimHost) -> SimHost:
     host.add_late_gpu("0000:08:00.0", after_s=5.0)
     return host
@@ -41,11 +54,11 @@ def build_scenario(name: str, seed: int = 0) -> SimHost:
 
 class SimRunner:
     def __init__(self, host: SimHost, interval: float = 0.5, control_socket: str | None = None,
-                 on_step: Callable[[], None] | None = None) -> None:
+                 on_step: Callable[[], None] | None = None, control_ops: dict[str, Callable] | None = None) -> None:
         self.host = host
         self.interval = interval
         self.on_step = on_step
-        self.control = ControlServer(host, control_socket) if control_socket else None
+        self.control = ControlServer(host, control_socket, control_ops) if control_socket else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sim-clock", daemon=True)
 

@@ -15,7 +15,7 @@ import logging
 import os
 import sqlite3
 import time
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 from gpuguard.state.events import Event
 from gpuguard.state.hub import HostSnapshot
@@ -46,6 +46,11 @@ CREATE TABLE IF NOT EXISTS power_host (
 CREATE INDEX IF NOT EXISTS power_host_t ON power_host(t);
 CREATE TABLE IF NOT EXISTS power_burst (t REAL NOT NULL, gpu TEXT NOT NULL, w REAL NOT NULL, reason TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS power_burst_t ON power_burst(t);
+CREATE TABLE IF NOT EXISTS engine_samples (
+  t REAL NOT NULL, engine TEXT NOT NULL, state TEXT, tokens_total REAL, tokens_per_s REAL,
+  no_progress_s REAL, running REAL, waiting REAL
+);
+CREATE INDEX IF NOT EXISTS engine_samples_t ON engine_samples(t);
 """
 # issue 17: the fast power sampler's per-interval statistics, the host PSU verdict, and the
 # raw samples around a power alert (INCIDENTS §2: the seconds before a trip must survive it).
@@ -71,7 +76,8 @@ class FlightRecorder:
         db.commit()
         self._db = db
 
-    def _write(self, samples: list[tuple], events: list[tuple], power: dict[str, list[tuple]] | None = None) -> None:
+    def _write(self, samples: list[tuple], events: list[tuple], engines: list[tuple] = (),
+               power: dict[str, list[tuple]] | None = None) -> None:
         assert self._db is not None
         try:
             with self._db:
@@ -83,6 +89,8 @@ class FlightRecorder:
                     self._db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", samples)
                 if events:
                     self._db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?,?,?)", events)
+                if engines:
+                    self._db.executemany("INSERT INTO engine_samples VALUES (?,?,?,?,?,?,?,?)", engines)
                 now = time.time()
                 if now - self._last_prune > 60:
                     cutoff = now - self.keep_seconds
@@ -90,6 +98,7 @@ class FlightRecorder:
                     self._db.execute("DELETE FROM events WHERE t < ?", (cutoff,))
                     for table in POWER_TABLES:
                         self._db.execute(f"DELETE FROM {table} WHERE t < ?", (cutoff,))
+                    self._db.execute("DELETE FROM engine_samples WHERE t < ?", (cutoff,))
                     self._last_prune = now
         except sqlite3.Error as e:
             self.failures += 1
@@ -117,16 +126,30 @@ class FlightRecorder:
             for e in events
         ]
 
-    def record(self, snap: HostSnapshot | None = None, events: Iterable[Event] = ()) -> concurrent.futures.Future:
-        """Queue one transaction; returns the future (tests wait on it, the daemon does not)."""
-        return self._pool.submit(self._write, self.sample_rows(snap) if snap else [], self.event_rows(events))
+    @staticmethod
+    def engine_rows(engines: Mapping[str, Any] | None, t: float) -> list[tuple]:
+        """One row per engine snapshot (engines/snapshot.py): the engine progress an
+        incident report plots next to the GPUs (INCIDENTS §1: tokens stopped, then the bus)."""
+        rows = []
+        for name, e in sorted((engines or {}).items()):
+            rows.append((t, name, e.state, e.generated_tokens_total, e.tokens_per_second, e.no_progress_seconds,
+                         e.requests_running, e.requests_waiting))
+        return rows
+
+    def record(self, snap: HostSnapshot | None = None, events: Iterable[Event] = (),
+               engines: Mapping[str, Any] | None = None) -> concurrent.futures.Future:
+        """Queue one transaction; returns the future (tests wait on it, the daemon does not).
+        `engines`: name -> EngineSnapshot, recorded at the snapshot's time."""
+        t = snap.time if snap else time.time()
+        return self._pool.submit(self._write, self.sample_rows(snap) if snap else [], self.event_rows(events),
+                                 self.engine_rows(engines, t))
 
     def record_power(self, power: dict[str, list[tuple]]) -> concurrent.futures.Future:
         """Queue rows for the power tables ({table: rows}, see POWER_TABLES) in one transaction."""
         unknown = set(power) - set(POWER_TABLES)
         if unknown:
             raise ValueError(f"no recorder table {sorted(unknown)}; power tables: {sorted(POWER_TABLES)}")
-        return self._pool.submit(self._write, [], [], power)
+        return self._pool.submit(self._write, [], [], [], power)
 
     def query(self, sql: str, args: tuple = ()) -> list[tuple]:
         return self._pool.submit(lambda: self._db.execute(sql, args).fetchall()).result()

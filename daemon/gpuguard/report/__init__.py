@@ -1,0 +1,8 @@
+"""Incident reports: a window of the flight recorder drawn on one time axis — every GPU's
+power, temperatures, clocks and fan, engine progress, and the kernel lines and gpuguard
+events — as one self-contained HTML file (inline SVG) and a PNG, with no network and no
+plotting library (the hosts in INCIDENTS.md are often air-gapped workstations).
+
+Modules: figure (what is plotted: panels, series, scales, markers), svg, png (+ font),
+html (the page around the figures).
+"""

@@ -1,0 +1,188 @@
+"""The built-in web page, served by the daemon on its API port: `/` and its assets (plain
+HTML/JS/CSS shipped in the package under sinks/page/, no framework, no CDN: it works on an
+air-gapped host), the history it charts (`GET /v1/history`, from the flight recorder) and
+incident reports rendered on demand (`GET /report?event=ID|at=T`, the same report as
+`gpuguard report`).
+
+Same access rules as the read API (sinks/api.py `read_access`); the page's actions go
+through the existing POST endpoints with the bearer token the user types in — nothing here
+changes state, and nothing is ever done from a GET.
+
+  GET /v1/history?since=T&until=T&points=N&gpu=NAME
+      {"start", "end", "step", "gpus": {gpu: {"bdf", "t": [...], series: [...]}},
+       "engines": {engine: {"t", "state", series...}}, "events": [event + "id"]}
+      series as in sinks/history.py; averaged into buckets of `step` seconds so that an
+      hour of 8 GPUs stays a small document (at most `points` per series, default 300).
+"""
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from typing import Callable
+
+from fastapi import Depends, FastAPI, HTTPException, Query
+from fastapi.responses import HTMLResponse, Response
+
+from gpuguard.sinks.api import read_access
+from gpuguard.sinks.history import ENGINE_SERIES, GPU_SERIES, FlightLog, HistoryError
+from gpuguard.sinks.recorder import FlightRecorder
+
+ASSETS = {"page.js": "text/javascript", "page.css": "text/css", "favicon.svg": "image/svg+xml"}
+# The page may talk to its own origin only: a stray URL in a label can never phone home.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+# A report is one self-contained file: its CSS is inline, and it has no script at all.
+REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'"
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("gpuguard.sinks").joinpath("page", name).read_bytes()
+
+
+# Bucket widths: fixed steps aligned to multiples of themselves, so a bucket that has
+# finished is the same bucket in every later request and its average can be kept.
+STEPS = (0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
+SETTLE_SECONDS = 10.0  # a poll's rows are committed well within this
+
+
+class BucketCache:
+    """Averages of finished buckets never change: keep them, and aggregate only the buckets
+    since (the page polls every 2 s; an hour of 8 GPUs is 57 600 rows to average once)."""
+
+    def __init__(self, max_entries: int = 32) -> None:
+        self.max_entries = max_entries
+        self._entries: dict[tuple, tuple[int, int, dict]] = {}  # key -> (lo, settled, {(who, k): row})
+
+    def rows(self, flight: FlightLog, sql: str, key: tuple, step: float, start: float, end: float,
+             args: tuple = ()) -> list[tuple]:
+        """`sql` selects (who, bucket, ...) for `t >= ? AND t <= ?` + `args`, grouped by
+        who and bucket = CAST(t / step AS INTEGER)."""
+        lo_k, hi_k = int(start // step), int(end // step)
+        lo, settled, rows = self._entries.get(key, (lo_k, lo_k - 1, {}))
+        if lo_k < lo:  # asked further back than what is kept: start over
+            lo, settled, rows = lo_k, lo_k - 1, {}
+        for r in flight.q(sql, (max(start, (settled + 1) * step), end) + args):
+            rows[(r[0], r[1])] = r
+        # finished: older than the settle time, and older than the newest bucket with rows
+        # (rows only ever arrive at the end; the newest bucket may still be filling)
+        newest = max((k for _, k in rows), default=lo_k - 1)
+        now_settled = min(hi_k, newest - 1, int((time.time() - max(2 * step, SETTLE_SECONDS)) // step))
+        new_lo, new_settled = max(lo, lo_k), max(settled, now_settled)
+        if new_settled > settled or new_lo > lo:
+            self._entries.pop(key, None)
+            if len(self._entries) >= self.max_entries:
+                self._entries.pop(next(iter(self._entries)))
+            # what scrolled out of this request's window goes (a page left open for a day
+            # must not grow the cache); a later request further back starts over
+            self._entries[key] = (new_lo, new_settled,
+                                  {k: v for k, v in rows.items() if new_lo <= k[1] <= new_settled})
+        return [rows[k] for k in sorted(rows) if lo_k <= k[1] <= hi_k]
+
+
+def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str | None,
+             cache: BucketCache | None = None) -> dict:
+    """Series averaged per `step`-second bucket (SQLite does the work; the page gets at
+    most about `points` per series)."""
+    cache = cache if cache is not None else BucketCache()
+    # Bucket over the span that has data: a daemon started two minutes ago asked for an
+    # hour gets its two minutes at full resolution, not ten points.
+    asked = start
+    first = flight.q("SELECT min(t) FROM samples WHERE t >= ? AND t <= ?", (start, end))[0][0]
+    if first is not None:
+        start = max(start, first)
+    step = next((s for s in STEPS if s >= (end - start) / max(points, 1)), STEPS[-1])
+    # `up` as a minimum: one lost sample in a bucket shows as down, not as 0.97
+    agg = ", ".join("min(up)" if k == "up" else f"avg({k})" for k in GPU_SERIES)
+    where, args = "", ()
+    if gpu:
+        where, args = " AND (gpu = ? OR bdf = ?)", (gpu, gpu)
+    bucket = f"CAST(t / {step!r} AS INTEGER)"
+    rows = cache.rows(flight, f"SELECT gpu, {bucket} AS k, max(bdf), max(t), {agg} FROM samples "
+                              f"WHERE t >= ? AND t <= ?{where} GROUP BY gpu, k", ("samples", gpu, step), step, start, end, args)
+    gpus: dict[str, dict] = {}
+    for r in rows:
+        g = gpus.setdefault(r[0], {"bdf": r[2], "t": [], **{k: [] for k in GPU_SERIES}})
+        g["t"].append(round(r[3], 3))
+        for k, v in zip(GPU_SERIES, r[4:]):
+            g[k].append(None if v is None else round(v, 3))
+    engines: dict[str, dict] = {}
+    try:
+        eagg = ", ".join(f"avg({k})" for k in ENGINE_SERIES)
+        erows = cache.rows(flight, f"SELECT engine, {bucket} AS k, max(t), max(state), {eagg} FROM engine_samples "
+                                   "WHERE t >= ? AND t <= ? GROUP BY engine, k", ("engines", step), step, start, end)
+    except HistoryError:
+        erows = []  # a recorder file from before engine rows existed
+    for r in erows:
+        e = engines.setdefault(r[0], {"t": [], "state": [], **{k: [] for k in ENGINE_SERIES}})
+        e["t"].append(round(r[2], 3))
+        e["state"].append(r[3])
+        for k, v in zip(ENGINE_SERIES, r[4:]):
+            e[k].append(None if v is None else round(v, 3))
+    events = flight.events(asked, end, gpu, limit=500)
+    return {"start": start, "end": end, "step": step, "gpus": gpus, "engines": engines, "events": events}
+
+
+def mount_page(app: FastAPI, recorder: Callable[[], FlightRecorder | None]) -> None:
+    """Add the page's routes to the daemon's app. `recorder()` is the running flight
+    recorder, or None when `recorder.enabled` is off (history answers 501 then)."""
+    read = [Depends(read_access)]
+    cache = BucketCache()
+
+    def flight() -> FlightLog:
+        rec = recorder()
+        if rec is None:
+            raise HTTPException(501, detail="the flight recorder is off (recorder.enabled: false): no history")
+        return FlightLog(rec.query, rec.path)
+
+    @app.get("/", include_in_schema=False, dependencies=read)
+    def index() -> Response:
+        return Response(_asset("index.html"), media_type="text/html; charset=utf-8",
+                        headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache"})
+
+    @app.get("/page/{name}", include_in_schema=False, dependencies=read)
+    def asset(name: str) -> Response:
+        if name not in ASSETS:
+            raise HTTPException(404, detail=f"no page asset named {name!r}")
+        return Response(_asset(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/history", dependencies=read)
+    def history(
+        since: float | None = Query(None, description="unix time (default: 15 minutes ago)"),
+        until: float | None = Query(None, description="unix time (default: now)"),
+        points: int = Query(300, ge=10, le=5000, description="at most this many points per series"),
+        gpu: str | None = Query(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$"),
+    ) -> Response:
+        end = until if until is not None else time.time()
+        start = since if since is not None else end - 900
+        if start > end:
+            raise HTTPException(422, detail=f"since ({start}) is after until ({end})")
+        try:
+            doc = bucketed(flight(), start, end, points, gpu, cache)
+        except HistoryError as e:
+            raise HTTPException(500, detail=str(e)) from None
+        # plain json.dumps: FastAPI's encoder walks every one of the ~30 000 numbers
+        return Response(json.dumps(doc, separators=(",", ":")), media_type="application/json")
+
+    def _report(event: int | None, at: float | None, before: float, after: float, png_name: str | None = None):
+        from gpuguard.report.make import make_report
+
+        if event is None and at is None:
+            raise HTTPException(422, detail="say which moment: ?event=ID or ?at=UNIXTIME")
+        try:
+            return make_report(flight(), event_id=event, at=at, before=before, after=after, png_name=png_name)
+        except HistoryError as e:
+            raise HTTPException(404, detail=str(e)) from None
+
+    @app.get("/report", include_in_schema=False, dependencies=read)
+    def report(event: int | None = Query(None, ge=1), at: float | None = None,
+               before: float = Query(120, ge=1, le=86400), after: float = Query(60, ge=0, le=86400)) -> HTMLResponse:
+        query = "&".join(f"{k}={v}" for k, v in (("event", event), ("at", at), ("before", before), ("after", after))
+                         if v is not None)
+        rep = _report(event, at, before, after, png_name=f"/report.png?{query}")
+        return HTMLResponse(rep.html, headers={"Content-Security-Policy": REPORT_CSP})
+
+    @app.get("/report.png", include_in_schema=False, dependencies=read)
+    def report_png(event: int | None = Query(None, ge=1), at: float | None = None,
+                   before: float = Query(120, ge=1, le=86400), after: float = Query(60, ge=0, le=86400)) -> Response:
+        return Response(_report(event, at, before, after).png, media_type="image/png")
