@@ -4,7 +4,8 @@ Each request is one line `{"op": NAME, ...arguments}`; each answer one line
 `{"ok": true, "result": ...}` or `{"ok": false, "error": "..."}`. Operations (SimHost
 methods of the same name): set_load(bdf, level), set_vram(bdf, used_bytes), step(dt),
 lose_gpu(bdf, err?), add_late_gpu(bdf, after_s?), appear(bdf), renumber_hwmon(),
-garbage(bdf, file, text), clear_garbage(bdf, file?), block(bdf, file), unblock(bdf, file?),
+garbage(bdf, file, text), clear_garbage(bdf, file?), block(bdf, file), block_writes(bdf, file),
+unblock(bdf, file?), return_gpu(bdf),
 suspend(bdf, resume_error?), resume(bdf), reset_gpu(bdf, steps?),
 ignore_first_write(bdf, kind?), aer_error(bdf, name?, count?, severity?), plus
 state() (JSON summary), gpus(), kernel_log(since=0) (raw /dev/kmsg records), read(path)
@@ -27,7 +28,7 @@ from .host import SimHost
 
 HOST_OPS = ("set_load", "set_vram", "step", "lose_gpu", "add_late_gpu", "appear", "renumber_hwmon",
             "garbage", "clear_garbage", "unblock", "suspend", "resume", "reset_gpu",
-            "ignore_first_write", "aer_error", "state")
+            "ignore_first_write", "aer_error", "state", "return_gpu")
 
 
 class ControlError(RuntimeError):
@@ -41,8 +42,8 @@ def handle(host: SimHost, req: dict):
             import errno
             req["err"] = getattr(errno, req["err"])
         return getattr(host, op)(**req)
-    if op == "block":
-        host.block(**req)
+    if op in ("block", "block_writes"):
+        getattr(host, op)(**req)
         return None
     if op == "gpus":
         return host.gpus
@@ -52,7 +53,7 @@ def handle(host: SimHost, req: dict):
         return host.read(req["path"]).decode("latin-1")
     if op == "write":
         return host.write(req["path"], req["data"].encode("latin-1"))
-    raise ControlError(f"unknown op {op!r}; known: {', '.join(HOST_OPS + ('block', 'gpus', 'kernel_log', 'read', 'write'))}")
+    raise ControlError(f"unknown op {op!r}; known: {', '.join(HOST_OPS + ('block', 'block_writes', 'gpus', 'kernel_log', 'read', 'write'))}")
 
 
 class ControlServer:
