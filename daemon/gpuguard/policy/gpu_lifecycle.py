@@ -40,24 +40,24 @@ class GpuLifecycle:
         gpus.on_lost.append(self._on_lost)
         gpus.on_back.append(self._on_back)
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def _spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            log.error("gpu lifecycle: no event loop to run %r on", coro)
+            log.error("gpu lifecycle: no event loop to run %s%r on", getattr(fn, "__name__", fn), args)
             return
-        t = loop.create_task(coro)  # type: ignore[arg-type]
+        t = loop.create_task(fn(*args))  # type: ignore[arg-type]
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
     def _on_lost(self, s: GpuState, by: str) -> None:
-        self._spawn(self.kill_engines(s.name, "gpu_lost", {"bdf": s.bdf, "route": by}))
+        self._spawn(self.kill_engines, s.name, "gpu_lost", {"bdf": s.bdf, "route": by})
 
     def _on_back(self, s: GpuState, how: str) -> None:
         self._last_kill.pop(s.name, None)
         if self.restart is None or not self.gpus.engines_on(s.bdf):
             return
-        self._spawn(self._call(self.restart, s.name, "gpu_back"))
+        self._spawn(self._call, self.restart, s.name, "gpu_back")
 
     async def kill_engines(self, gpu: str, reason: str, evidence: dict | None = None) -> bool:
         """Kill the engines on `gpu` unless they were killed for it within debounce_s."""

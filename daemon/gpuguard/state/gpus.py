@@ -93,10 +93,12 @@ class GpuStates:
     def configure(self, entries: Sequence, engines: Mapping[str, Iterable[str]] | None = None) -> None:
         """New `gpus:` entries (start, reload). Cards whose name or profile changed are
         re-identified and, where a profile is now assigned, made pending."""
+        before = {e.name: e.match for e in self.entries}
         self.entries = list(entries)
         if engines is not None:
             self.engines = {e: tuple(g) for e, g in engines.items()}
-        self._reidentify(rebind=True)
+        # a card keeps the name it was identified by while that entry's match is unchanged
+        self._reidentify(keep={e.name for e in self.entries if before.get(e.name) == e.match})
 
     def _profile_for(self, name: str) -> str | None:
         for e in self.entries:
@@ -200,7 +202,8 @@ class GpuStates:
             self._gpus[bdf] = replace(self._gpus[bdf], on_bus=False)
         self._reidentify()
         for bdf in vanished:
-            self.mark_lost(bdf, "bus", f"GPU {self._gpus[bdf].name} ({bdf}) is gone from the PCI bus")
+            if bdf in self._gpus:  # not if identified at another address in this same look
+                self.mark_lost(bdf, "bus", f"GPU {self._gpus[bdf].name} ({bdf}) is gone from the PCI bus")
         for bdf in returned:
             self.back(bdf, "bus")
         for bdf in new:
@@ -210,9 +213,9 @@ class GpuStates:
             self._emit(self.on_new, s, "start" if first else "appeared")
         self._say_missing()
 
-    def _reidentify(self, rebind: bool = False) -> None:
+    def _reidentify(self, keep: set[str] | None = None) -> None:
         present = [_Dev(s.bdf, *s.pci_id.split(":")) for s in self._gpus.values() if s.on_bus]
-        known = {} if rebind else {s.bdf: s.name for s in self._gpus.values() if s.on_bus and s.named}
+        known = {s.bdf: s.name for s in self._gpus.values() if s.on_bus and s.named and (keep is None or s.name in keep)}
         ident = identify(present, self.entries, known)
         # a card lost from the bus keeps its last name (its series stay where they were);
         # it is reported missing when identity no longer finds it
@@ -269,7 +272,12 @@ class GpuStates:
         `gpu_lost` event per loss; listeners run the policy (kill engines). False when it
         was lost already or is unknown."""
         s = self._gpus.get(bdf)
-        if s is None or s.presence == LOST:
+        if s is None:
+            return False
+        if s.presence == LOST:
+            if s.lost_by == "not_answering" and by != "not_answering":
+                # the kernel (or the bus) says so too: a good read later must not undo that
+                self._gpus[bdf] = replace(s, lost_by=by)
             return False
         s = replace(s, presence=LOST, lost_by=by, changed=time.time(), not_answering_since=None,
                     profile_state="lost" if s.profile else s.profile_state)
