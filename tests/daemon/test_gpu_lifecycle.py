@@ -56,6 +56,12 @@ def test_apply_with_either_xtx_missing_plans_nothing_for_the_other_names_both_an
     assert "r9700-a (0000:05:00.0) profile psu-safe: dry run" in r.stdout
     js = json.loads(apply_cli(tmp_path, sim.mount, "--dry-run", "--json").stdout)
     assert {m["gpu"] for m in js["missing"]} == {"xtx-0", "xtx-1"}
+    # `status` shows configured vs present too, and exits 1
+    st = subprocess.run([sys.executable, "-m", "gpuguard", "status", "--config", str(tmp_path / "apply.yaml"),
+                         "--sysfs-root", str(sim.mount)], capture_output=True, text=True, timeout=120)
+    assert st.returncode == 1
+    assert st.stdout.splitlines()[0] == "3/4 GPUs up; missing xtx-0 (1002:744c #0), xtx-1 (1002:744c #1)"
+    assert f"card{other}" in st.stdout and "MISSING xtx-0 (1002:744c #0)" in st.stdout
 
 
 def test_apply_with_an_address_matched_card_missing_exits_1_naming_it(sim, tmp_path):
