@@ -145,12 +145,9 @@ class Daemon:
             self.metrics.add_producer(lambda: engine_metrics(self.engines))
             self.actions.provide_from(EngineActions(self.engines))
             # INCIDENTS §1: a hang on a GPU kills its engines at once; after a reset every
-            # context on it is dead, so its engines are restarted.
+            # context on it is dead, so its engines are restarted (policy/gpu_lifecycle.py).
             self.kernel_actions.on_fatal.append(self._kill_engines_for_kernel)
             self.poller.on_cycle.insert(0, lambda snap: self._engine_notes())
-            self.kernel_actions.on_reset_ok.append(
-                lambda gpu, bdf: self.engines.restart_engines_on_gpu(gpu, "gpu_reset_ok") if gpu else None
-            )
         # Profiles: applied and verified before READY, re-applied on drift and late cards.
         from gpuguard.profiles import attach
 

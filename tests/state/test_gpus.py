@@ -149,6 +149,46 @@ def test_lifecycle_kills_once_per_loss_whatever_the_route_and_restarts_on_back()
         g.observe(devs())
         await asyncio.sleep(0.01)
         assert calls[-1] == ("restart", "xtx-0", "gpu_back")
+        g.reset(XTX[0], "kernel: GPU reset succeeded")  # present, reset: every context is gone
+        await asyncio.sleep(0.01)
+        assert calls[-1] == ("restart", "xtx-0", "gpu_reset_ok") and len(calls) == 3
+        g.reset(R9700[0], "kernel: GPU reset succeeded")  # no engine there: nothing to restart
+        await asyncio.sleep(0.01)
+        assert len(calls) == 3
         await lc.aclose()
 
     asyncio.run(main())
+
+
+def test_healthz_is_not_ok_once_no_poll_cycle_finished_within_interval_plus_timeout():
+    import time
+
+    from starlette.testclient import TestClient
+
+    from gpuguard.sinks.api import build_app
+    from gpuguard.state.hub import HostSnapshot
+
+    hub = Hub()
+    hub.poll_budget_seconds = 1.0 + 2.0 + 1.0
+    client = TestClient(build_app(hub, MetricsSink(hub)))
+    assert client.get("/healthz").json()["ok"] is False  # no cycle yet
+    hub.publish_snapshot(HostSnapshot(time=time.time()))
+    assert client.get("/healthz").json()["ok"] is True
+    # the bug: a poll loop stuck behind an apply for 40 s still said ok
+    hub.publish_snapshot(HostSnapshot(time=time.time() - 4.5))
+    assert client.get("/healthz").json()["ok"] is False
+
+
+def test_udev_remove_is_one_gpu_lost_alert_with_its_route():
+    from gpuguard.kernel.router import KernelEventRouter
+    from gpuguard.kernel.rules import Rules
+    from gpuguard.kernel.udev import DeviceEvent
+
+    hub, g = make()
+    g.observe(devs())
+    router = KernelEventRouter(Rules.load(), g.name, None, on_event=hub.publish, states=g)
+    router.handle_device(DeviceEvent("remove", XTX[0], "pci", f"/sys/x/{XTX[0]}", XTX[0], 0x030000))
+    g.observe(devs(XTX[0]))  # discovery then finds it gone: still the same loss
+    lost = [e for e in hub.events if e.kind == "gpu_lost"]
+    assert len(lost) == 1 and lost[0].fields["route"] == "udev" and lost[0].fields["engines"] == ["qwen"]
+    assert g.is_lost(XTX[0]) and not g.may_write(XTX[0])

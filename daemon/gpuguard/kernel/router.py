@@ -99,7 +99,8 @@ class KernelEventRouter:
                 return None  # pci and drm both report one loss
             event = Event(kind="gpu_lost", severity="critical", source="udev",
                           message=f"GPU {dev.bdf} removed ({dev.subsystem} {dev.action})",
-                          gpu=gpu, bdf=dev.bdf, fields={**fields, "condition": True})
+                          gpu=gpu, bdf=dev.bdf, fields={**fields, "condition": True, "route": "udev",
+                                                        "engines": self.states.engines_on(dev.bdf)})
             self._emit(event, ())
             return event
         if dev.action in ("add", "bind"):
@@ -165,7 +166,9 @@ class KernelEventRouter:
                     log.warning("%s names no GPU; cannot mark one lost: %s", event.kind, event.message)
                 elif not self.states.is_lost(bdf):
                     self._cancel_recover(bdf)
-                    self.states.mark_lost(bdf, f"{event.source}:{event.kind}", event.message)
+                    # a udev remove is already a `gpu_lost` event: one alert per loss
+                    self.states.mark_lost(bdf, f"{event.source}:{event.kind}", event.message,
+                                          quiet=event.kind == "gpu_lost")
                     self._call("on_gpu_lost", bdf)
             elif action == "kill_engines":
                 if self._debounced(bdf, "kill_engines"):

@@ -5,8 +5,9 @@ remove): one policy for all of them (issue 11: only a kernel line used to kill).
 - lost: the engines on that GPU are killed at once (INCIDENTS §1: both GPUs were off the
   bus within a minute of the stall; an engine on a dead GPU only hangs its clients). The
   state owner already stopped every write to it and raised the `gpu_lost` alert.
-- back: the card is at stock settings (the profile runtime re-applies its profile, the
-  state owner made it pending) and every context on it is dead: its engines are restarted.
+- back, or reset while present: the card is at stock settings (the profile runtime
+  re-applies its profile, the state owner made it pending) and every context on it is
+  dead: its engines are restarted.
 
 A loss reported by several routes (a kernel line, then the bus) kills once per
 `debounce_s`: the kernel router's own kill and this one share `kill_engines`.
@@ -39,6 +40,7 @@ class GpuLifecycle:
         self._tasks: set[asyncio.Task] = set()
         gpus.on_lost.append(self._on_lost)
         gpus.on_back.append(self._on_back)
+        gpus.on_reset.append(self._on_reset)
 
     def _spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         try:
@@ -58,6 +60,11 @@ class GpuLifecycle:
         if self.restart is None or not self.gpus.engines_on(s.bdf):
             return
         self._spawn(self._call, self.restart, s.name, "gpu_back")
+
+    def _on_reset(self, s: GpuState, why: str) -> None:
+        # after `GPU reset succeeded` every context on the card is dead (`VRAM is lost`)
+        if self.restart is not None and self.gpus.engines_on(s.bdf):
+            self._spawn(self._call, self.restart, s.name, "gpu_reset_ok")
 
     async def kill_engines(self, gpu: str, reason: str, evidence: dict | None = None) -> bool:
         """Kill the engines on `gpu` unless they were killed for it within debounce_s."""

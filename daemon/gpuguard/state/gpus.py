@@ -87,6 +87,7 @@ class GpuStates:
         self.on_lost: list[Listener] = []
         self.on_back: list[Listener] = []
         self.on_new: list[Listener] = []
+        self.on_reset: list[Listener] = []  # reset while present: stock settings, every context gone
         self._missing_said: tuple[str, ...] = ()
 
     # -- configuration ---------------------------------------------------------------------
@@ -267,7 +268,7 @@ class GpuStates:
             self._event("gpus_complete", "info", "every configured GPU is present and identified", None)
 
     # -- lifecycle -------------------------------------------------------------------------
-    def mark_lost(self, bdf: str, by: str, message: str | None = None, **fields: Any) -> bool:
+    def mark_lost(self, bdf: str, by: str, message: str | None = None, quiet: bool = False, **fields: Any) -> bool:
         """A GPU is lost (route `by`: bus, not_answering, kernel:<kind>, udev). One
         `gpu_lost` event per loss; listeners run the policy (kill engines). False when it
         was lost already or is unknown."""
@@ -285,9 +286,10 @@ class GpuStates:
         msg = (message or f"GPU {s.name} ({bdf}) is lost ({by})") + \
             "; nothing is written to it until it is back; recovery is kill the engines, then reboot " \
             "(cold power-cycle if the reboot does not come back)"
-        e = self._event("gpu_lost", "critical", msg, s, fields={"route": by, "engines": self.engines_on(bdf),
-                                                                 "condition": True, **fields})
-        self.conditions[(bdf, "gpu_lost")] = e
+        if not quiet:  # quiet: the caller's own `gpu_lost` event (udev remove) is the one alert
+            e = self._event("gpu_lost", "critical", msg, s, fields={"route": by, "engines": self.engines_on(bdf),
+                                                                     "condition": True, **fields})
+            self.conditions[(bdf, "gpu_lost")] = e
         self._emit(self.on_lost, s, by)
         return True
 
@@ -315,9 +317,10 @@ class GpuStates:
         if s.presence == LOST:
             self.back(bdf, why)
             return
-        self._gpus[bdf] = replace(s, generation=s.generation + 1,
-                                  profile_state="pending" if s.profile else s.profile_state,
-                                  pending_why=f"{why}: the card is back at stock settings")
+        self._gpus[bdf] = s = replace(s, generation=s.generation + 1,
+                                      profile_state="pending" if s.profile else s.profile_state,
+                                      pending_why=f"{why}: the card is back at stock settings")
+        self._emit(self.on_reset, s, why)
 
     def not_answering(self, bdf: str, reason: str) -> None:
         s = self._gpus.get(bdf)
