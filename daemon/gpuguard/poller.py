@@ -88,6 +88,11 @@ class GpuPoller:
         self.last_cycle_end: float | None = None  # monotonic; /healthz reads it
         self.on_cycle: list[Callable[[HostSnapshot], None]] = []  # e.g. the systemd watchdog ping
 
+    @property
+    def names(self) -> dict[str, str]:
+        """bdf -> name, read from the GPU state owner (kept for callers that read it here)."""
+        return self.gpus.names()
+
     def request_discovery(self) -> None:
         """Ask for a discovery at the next cycle (a udev add/remove arrived)."""
         self._discover_requested.set()
