@@ -73,8 +73,8 @@ def exit_now_if_stuck(code: int) -> None:
     stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     if not stuck:
         return
-    logging.getLogger("gpuguard").warning("stop: %d thread(s) still blocked (%s); exiting without them",
-                                          len(stuck), ", ".join(sorted(stuck)[:5]))
+    logging.getLogger("gpuguard").info("stop: %d worker thread(s) still running (%s); exiting without waiting for them",
+                                       len(stuck), ", ".join(sorted(stuck)[:5]))
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
