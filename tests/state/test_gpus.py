@@ -192,3 +192,39 @@ def test_udev_remove_is_one_gpu_lost_alert_with_its_route():
     lost = [e for e in hub.events if e.kind == "gpu_lost"]
     assert len(lost) == 1 and lost[0].fields["route"] == "udev" and lost[0].fields["engines"] == ["qwen"]
     assert g.is_lost(XTX[0]) and not g.may_write(XTX[0])
+
+
+def test_the_api_refuses_a_card_that_is_lost_or_not_identified(tmp_path):
+    import pytest
+
+    from gpuguard.hw.sysfs import SysfsRoot
+    from gpuguard.profiles.api import ProfileActions
+    from gpuguard.profiles.lifecycle import ProfileRuntime
+    from gpuguard.profiles.schema import ProfilesConfig, Profile
+    from gpuguard.sinks.actions import ActionRefused, UnknownTarget
+
+    class Writer:
+        calls: list = []
+
+        def apply(self, *a, **k):
+            Writer.calls.append(a)
+            raise AssertionError("nothing may be written")
+
+    hub, g = make()
+    g.observe(devs(XTX[0]))  # xtx group incomplete: b0 unnamed
+    g.mark_lost(R9700[0], "kmsg:device_lost")
+    cfg = ProfilesConfig(profiles={"p": Profile(power_cap_w=200), "x": Profile(sclk_max_mhz=2000)},
+                         state_dir=str(tmp_path))
+    rt = ProfileRuntime(cfg, g, hub, SysfsRoot(str(tmp_path)), applier=Writer(), guard=object())
+    api = ProfileActions(rt)
+
+    async def main():
+        with pytest.raises(ActionRefused, match="is lost"):
+            await api.apply_profile("r9700-a", "p", "token:alice")
+        with pytest.raises(ActionRefused, match="not identified"):
+            await api.apply_profile(f"card{XTX[1]}", "x", "token:alice")
+        with pytest.raises(UnknownTarget):
+            await api.apply_profile("xtx-0", "x", "token:alice")
+
+    asyncio.run(main())
+    assert Writer.calls == []
