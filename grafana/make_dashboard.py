@@ -23,8 +23,9 @@ DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 # Selectors every query uses, so the template variables filter everything.
 HOST = 'instance=~"$instance"'
 GPU = f'{HOST},gpu=~"$gpu"'
-# Kernel lines not attributed to a GPU carry gpu="": keep them visible under any selection.
-GPU_OR_NONE = f'{HOST},gpu=~"$gpu|"'
+# Kernel lines not attributed to a GPU (OOM kill, hung task) carry gpu="host": keep them
+# visible under any selection.
+GPU_OR_NONE = f'{HOST},gpu=~"$gpu|host"'
 ENGINE = f'{HOST},engine=~"$engine"'
 
 DASHED = {"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}}

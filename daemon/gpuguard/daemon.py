@@ -14,11 +14,13 @@ import signal
 import socket
 import sqlite3
 import stat
+import time
 from typing import Any, Callable
 
 import uvicorn
 
 from gpuguard.config import Config, ConfigError, load_config
+from gpuguard.config.reload import LIVE_SECTIONS, ReloadPlan, plan_reload
 from gpuguard.engines.api import EngineActions
 from gpuguard.engines.metrics import engine_metrics
 from gpuguard.engines.watchdog import EngineWatchdog
@@ -30,6 +32,7 @@ from gpuguard.kernel.kmsg import KmsgError, KmsgReader
 from gpuguard.kernel.router import KernelEventRouter
 from gpuguard.kernel.rules import Rules, RulesError
 from gpuguard.kernel.udev import UdevError, UdevMonitor
+from gpuguard.policy.gpu_lifecycle import GpuLifecycle
 from gpuguard.policy.kernel_actions import KernelActions
 from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
 from gpuguard.policy.pcie_watch import PcieWatch
@@ -45,6 +48,7 @@ from gpuguard.sinks.audit import AuditLog
 from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore
 from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.systemd import SystemdNotify
+from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
 
 log = logging.getLogger("gpuguard")
@@ -72,6 +76,11 @@ class Daemon:
         self.config_path = config_path
         self.root = SysfsRoot(sysfs_root or config.sysfs_root)
         self.hub = Hub()
+        # state/gpus.py: the one owner of every GPU's identity and lifecycle (issue 11)
+        self.gpus = self.hub.gpus
+        self.gpus.lost_after_seconds = config.poll.lost_after_seconds
+        self.gpus.configure(config.gpus, {e.name: tuple(e.gpus) for e in config.engines})
+        self.hub.poll_budget_seconds = config.poll.interval_seconds + config.poll.timeout_seconds + 1.0
         self.metrics = MetricsSink(self.hub)
         self.sources = sources if sources is not None else default_sources(self.root)
         self.poller = GpuPoller(
@@ -85,10 +94,18 @@ class Daemon:
         self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds,
                               history_path=os.path.join(config.state_dir, PCIE_HISTORY_FILE))
         self.metrics.add_producer(
-            PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=lambda: dict(self.poller.names)).collect
+            PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect
         )
-        self.kernel_actions = KernelActions(self)
+        self.kernel_actions = KernelActions(self.gpus, self.poller.request_discovery)
+        # a GPU lost by any route kills its engines; back, they are restarted (policy/gpu_lifecycle.py)
+        self.lifecycle = GpuLifecycle(
+            self.gpus,
+            kill=lambda gpu, reason, evidence: self.engines.kill_engines_on_gpu(gpu, reason, evidence) if self.engines else None,
+            restart=lambda gpu, reason: self.engines.restart_engines_on_gpu(gpu, reason) if self.engines else None,
+            debounce_s=config.kernel.action_debounce_seconds,
+        )
         self.kernel_router: KernelEventRouter | None = None
+        self.kmsg_reader: KmsgReader | None = None
         # -- service layer (issue 6). Tokens are loaded in run(): a bad token file must end
         # the start with a one-line error, not a traceback from the constructor.
         self.audit = AuditLog.in_state_dir(config.state_dir)
@@ -115,6 +132,7 @@ class Daemon:
         self.tasks: list[asyncio.Task] = []
         self.on_ready: list[Callable[[], Any]] = []  # before READY=1 (profiles: apply + verify)
         self.on_serving: list[Callable[[], Any]] = []  # after READY=1 (the demo's banner)
+        self.profiles: Any = None  # set by profiles.attach
         # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
         self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
         self.recorder: FlightRecorder | None = None
@@ -134,12 +152,9 @@ class Daemon:
             self.metrics.add_producer(lambda: engine_metrics(self.engines))
             self.actions.provide_from(EngineActions(self.engines))
             # INCIDENTS §1: a hang on a GPU kills its engines at once; after a reset every
-            # context on it is dead, so its engines are restarted.
+            # context on it is dead, so its engines are restarted (policy/gpu_lifecycle.py).
             self.kernel_actions.on_fatal.append(self._kill_engines_for_kernel)
             self.poller.on_cycle.insert(0, lambda snap: self._engine_notes())
-            self.kernel_actions.on_reset_ok.append(
-                lambda gpu, bdf: self.engines.restart_engines_on_gpu(gpu, "gpu_reset_ok") if gpu else None
-            )
         # Profiles: applied and verified before READY, re-applied on drift and late cards.
         from gpuguard.profiles import attach
 
@@ -150,8 +165,7 @@ class Daemon:
         self.power = attach_power(self)
 
     def _kernel_event(self, e) -> None:
-        self.hub.counters.kernel_events[(e.gpu, e.kind)] += 1
-        self.hub.publish(e)
+        self.hub.publish(e)  # counted by the GPU state owner (router → hub.gpus.kernel_event)
 
     def start_kernel_sources(self) -> None:
         """/dev/kmsg and udev. Either may be unavailable (no CAP_SYSLOG, a container
@@ -166,18 +180,20 @@ class Daemon:
             return
         self.kernel_router = KernelEventRouter(
             rules,
-            gpu_name_for_bdf=lambda bdf: self.poller.names.get(bdf),
+            gpu_name_for_bdf=self.gpus.name,
             hooks=self.kernel_actions,
             policy=kc.policy,
             max_events=kc.event_buffer,
             debounce_s=kc.action_debounce_seconds,
             recover_settle_s=kc.recover_settle_seconds,
             on_event=self._kernel_event,
+            states=self.gpus,
         )
         state_file = kc.state_file or os.path.join(self.config.state_dir, "kmsg-position.json")
         try:
             reader = KmsgReader(kc.kmsg_path, state_file, kc.allow_userspace, batch=kc.batch)
             reader.open()
+            self.kmsg_reader = reader
             self.tasks.append(asyncio.create_task(self.kernel_router.run_kmsg(reader), name="kmsg"))
         except (OSError, KmsgError) as e:
             log.error("kernel log not watched: cannot read %s: %s (needs root or CAP_SYSLOG)", kc.kmsg_path, e)
@@ -207,7 +223,8 @@ class Daemon:
             # device_lost / reset lines that follow do name it and kill then.
             log.warning("kernel %s without a GPU address: no engine killed on it alone", kind)
             return
-        await self.engines.kill_engines_on_gpu(gpu, kind, {"kernel_event": kind, "bdf": bdf})
+        # shared with the lost-GPU policy: one kill per GPU within the debounce window
+        await self.lifecycle.kill_engines(gpu, kind, {"kernel_event": kind, "bdf": bdf})
 
     def _engine_notes(self) -> None:
         if self.engines is None:
@@ -219,7 +236,7 @@ class Daemon:
     def expected_links(self) -> dict[str, ExpectedLink]:
         """bdf -> expected slot link, from `gpus[].expect_link` and today's GPU names."""
         by_name = {g.name: g.expect_link for g in self.config.gpus if g.expect_link is not None}
-        return {bdf: by_name[name] for bdf, name in self.poller.names.items() if name in by_name}
+        return {bdf: by_name[name] for bdf, name in self.gpus.names().items() if name in by_name}
 
     @staticmethod
     def _log_event(e) -> None:
@@ -247,8 +264,10 @@ class Daemon:
         return doc
 
     def reload(self) -> bool:
-        """Re-read the config file (and the API token file). Returns True when the new
-        config took effect; an invalid config or token file keeps everything running as is."""
+        """Re-read the config file (and the API token file) on SIGHUP. Every changed key is
+        either applied now or named as needing a restart and kept as it was
+        (config/reload.py). Returns True when the new config took effect; an invalid config
+        or token file keeps everything running as is."""
         self.notify.reloading()
         try:
             if self.config_path is None:
@@ -265,28 +284,57 @@ class Daemon:
             except TokenFileError as e:
                 log.error("reload rejected, keeping the running config and tokens: %s", e)
                 return False
-            if (new.listen, new.api.unix_socket) != (self.config.listen, self.config.api.unix_socket):
-                log.warning("reload: listen address and api.unix_socket changes take effect at the next restart")
-            self.config = new
+            live = set(LIVE_SECTIONS)
+            if self.engines is not None and hasattr(self.engines, "configure"):
+                live.add("engines")
+            if self.kernel_router is None:
+                live.discard("kernel")  # not running: starting it is a restart
+            plan = plan_reload(self.config, new, live)
+            self.config = cfg = plan.effective
             self.app.state.tokens = tokens
             # the policy follows the address actually bound, not the one in the new file
-            self.app.state.policy = AccessPolicy(self.app.state.policy.listen_address, new.api.open_reads)
-            self.app.state.max_body_bytes = new.api.max_body_bytes
-            self.webhooks.configure(new.webhooks)
-            logging.getLogger().setLevel(new.logging.level.upper())
-            self.poller.set_gpu_entries(new.gpus)
-            self.poller.interval = new.poll.interval_seconds
-            self.poller.timeout = new.poll.timeout_seconds
-            self.poller.discover_every = new.poll.discover_seconds
-            self.pcie.interval = new.poll.pcie_interval_seconds
-            self.power.configure(new.power)
+            self.app.state.policy = AccessPolicy(self.app.state.policy.listen_address, cfg.api.open_reads)
+            self.app.state.max_body_bytes = cfg.api.max_body_bytes
+            self.webhooks.configure(cfg.webhooks)
+            logging.getLogger().setLevel(cfg.logging.level.upper())
+            self.poller.interval = cfg.poll.interval_seconds
+            self.poller.timeout = cfg.poll.timeout_seconds
+            self.poller.discover_every = cfg.poll.discover_seconds
+            self.pcie.interval = cfg.poll.pcie_interval_seconds
+            self.gpus.lost_after_seconds = cfg.poll.lost_after_seconds
+            self.power.configure(cfg.power)
+            self.hub.poll_budget_seconds = cfg.poll.interval_seconds + cfg.poll.timeout_seconds + 1.0
+            self.notify.check_interval(cfg.poll.interval_seconds + cfg.poll.timeout_seconds)
+            if self.recorder is not None:
+                self.recorder.keep_seconds = cfg.recorder.keep_seconds
+            if "engines" in live and any(k.startswith("engines") for k in plan.live):
+                self.engines.configure(cfg.engines)  # type: ignore[union-attr]
+            self.gpus.configure(cfg.gpus, {e.name: tuple(e.gpus) for e in cfg.engines})
+            if any(k.startswith("kernel") for k in plan.live):
+                self._reload_kernel(cfg, plan)
+            self.lifecycle.debounce_s = cfg.kernel.action_debounce_seconds
+            profiles = getattr(self, "profiles", None)
+            if profiles is not None:
+                from gpuguard.profiles.schema import ProfilesConfig
+
+                profiles.configure(ProfilesConfig.from_root(cfg))
             log.info(
-                "reload: config %s applied poll_interval=%gs tokens=%d webhooks=%d",
+                "reload: config %s applied poll_interval=%gs tokens=%d webhooks=%d; changed: %s; live: %s; "
+                "needs restart (kept as running): %s",
                 self.config_path,
-                new.poll.interval_seconds,
+                cfg.poll.interval_seconds,
                 len(tokens),
-                len(new.webhooks),
+                len(cfg.webhooks),
+                ", ".join(plan.changed) or "nothing",
+                ", ".join(plan.live) or "nothing",
+                ", ".join(plan.restart) or "nothing",
             )
+            self.hub.publish(Event(
+                "config_reloaded", "warning" if plan.restart else "info", "daemon",
+                f"config {self.config_path} reloaded: applied {', '.join(plan.live) or 'nothing'}"
+                + (f"; needs restart (kept as running): {', '.join(plan.restart)}" if plan.restart else ""),
+                fields={"changed": plan.changed, "applied": plan.live, "needs_restart": plan.restart},
+            ))
             return True
         finally:
             self.notify.ready(summary_line(self.hub))
@@ -295,6 +343,24 @@ class Daemon:
         # `gpuguard reload` (ExecReload=) waits for this record (sinks/reload_marker.py)
         result = self.reload()
         self.reload_marker.record(bool(getattr(result, "ok", result)))
+
+    def _reload_kernel(self, cfg: Config, plan: ReloadPlan) -> None:
+        """kernel.rules_file/builtin_rules/policy/allow_userspace/batch/debounce/settle, in place."""
+        kc, router = cfg.kernel, self.kernel_router
+        assert router is not None
+        if any(k in plan.live for k in ("kernel.rules_file", "kernel.builtin_rules")):
+            try:
+                router.rules = Rules.load(builtin=kc.builtin_rules, extra_file=kc.rules_file)
+            except RulesError as e:
+                log.error("reload: kernel rules not reloaded, the running rules stay: %s", e)
+                plan.live = [k for k in plan.live if k not in ("kernel.rules_file", "kernel.builtin_rules")]
+                plan.restart += ["kernel.rules_file (invalid)"]
+        router.policy = {k: tuple(v) for k, v in kc.policy.items()}
+        router.debounce_s = kc.action_debounce_seconds
+        router.recover_settle_s = kc.recover_settle_seconds
+        if self.kmsg_reader is not None:
+            self.kmsg_reader.allow_userspace = kc.allow_userspace
+            self.kmsg_reader.batch = kc.batch
 
     async def start_server(self) -> None:
         cfg = uvicorn.Config(
@@ -346,33 +412,55 @@ class Daemon:
                     return sock.getsockname()[1]
         return None
 
+    async def _start(self) -> None:
+        """Everything before READY=1. Runs as a task that SIGTERM abandons (issue 11: the
+        daemon went on waiting for GPUs and writing profiles 30 s after SIGTERM)."""
+        try:
+            self.app.state.tokens = TokenStore.load(self.config.api.token_file)
+        except TokenFileError as e:
+            raise RuntimeError(str(e)) from None
+        if self.config.api.token_file is None:
+            log.warning("api: no api.token_file configured; every mutating API call will be refused")
+        await self.webhooks.start()
+        self.notify.check_interval(self.config.poll.interval_seconds + self.config.poll.timeout_seconds)
+        await self.poller.poll_once()  # discovery + a first snapshot before READY
+        self.start_kernel_sources()
+        await self.start_server()
+        if self.config.api.unix_socket:
+            await self.start_unix_server(self.config.api.unix_socket)
+        # the poll loop runs while the start hooks wait for GPUs and apply profiles: a card
+        # that stops answering meanwhile is seen, and /healthz stays truthful
+        self.tasks.append(asyncio.create_task(self.poller.run(self.stop_event), name="poller"))
+        for fn in self.on_ready:
+            r = fn()
+            if asyncio.iscoroutine(r):
+                await r
+        if self.on_ready:
+            # the hooks may have written the cards (profiles): what is served at READY
+            # must be what the cards read now, not what they read before the apply
+            cycles = self.poller.cycles
+            while self.poller.cycles < cycles + 2 and not self.stop_event.is_set():
+                await asyncio.sleep(0.02)
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         try:
-            try:
-                self.app.state.tokens = TokenStore.load(self.config.api.token_file)
-            except TokenFileError as e:
-                raise RuntimeError(str(e)) from None
-            if self.config.api.token_file is None:
-                log.warning("api: no api.token_file configured; every mutating API call will be refused")
-            await self.webhooks.start()
-            self.notify.check_interval(self.config.poll.interval_seconds + self.config.poll.timeout_seconds)
-            await self.poller.poll_once()  # discovery + a first snapshot before READY
-            self.start_kernel_sources()
-            await self.start_server()
-            if self.config.api.unix_socket:
-                await self.start_unix_server(self.config.api.unix_socket)
-            for fn in self.on_ready:
-                r = fn()
-                if asyncio.iscoroutine(r):
-                    await r
-            if self.on_ready:
-                # the hooks may have written the cards (profiles): what is served at READY
-                # must be what the cards read now, not what they read before the apply
-                await self.poller.poll_once()
+            start = asyncio.create_task(self._start(), name="start")
+            stop = asyncio.create_task(self.stop_event.wait(), name="stop-wait")
+            await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                log.warning("stop requested while starting: start abandoned (no profile written after the signal)")
+                self.gpus.begin_stop()
+                if self.profiles is not None:
+                    self.profiles.begin_stop()
+                start.cancel()
+                await asyncio.wait({start}, timeout=1.0)
+                return 0
+            stop.cancel()
+            start.result()  # a start failure (cannot listen, bad token file) ends the run here
             log.info(
                 "ready: %s; metrics at http://%s:%s/metrics",
                 summary_line(self.hub),
@@ -382,31 +470,55 @@ class Daemon:
             self.notify.ready(summary_line(self.hub))
             for fn in self.on_serving:
                 fn()
-            self.tasks.append(asyncio.create_task(self.poller.run(self.stop_event), name="poller"))
             self.tasks.append(asyncio.create_task(self.pcie.run(self.stop_event), name="pcie"))
             if self.engines is not None:
                 self.tasks.append(asyncio.create_task(self.engines.run(), name="engines"))
             await self.stop_event.wait()
             return 0
         finally:
-            self.notify.stopping()
-            self.app.state.confirm.close()
-            for srv in (self.server, self.unix_server):
-                if srv is not None:
-                    srv.should_exit = True
-            for t in self.tasks:
-                if not t.get_name().startswith("http"):
-                    t.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-            await self.webhooks.close()
-            if self.unix_server is not None and self.config.api.unix_socket:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.config.api.unix_socket)
-            self.poller.close()
-            self.power.close()
-            if self.engines is not None:
-                await self.engines.aclose()
-            if self.recorder is not None:
-                self.recorder.close()
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
+            await self._shutdown(loop)
+
+    async def _shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bounded: every step gets part of STOP_BUDGET_S; what does not finish in time is
+        abandoned with its name logged (a read stuck in a wedged card is a daemon thread)."""
+        t0 = time.monotonic()
+        self.gpus.begin_stop()  # no write from here on, whatever is still running
+        if self.profiles is not None:
+            self.profiles.begin_stop()
+        self.notify.stopping()
+        self.app.state.confirm.close()
+        for srv in (self.server, self.unix_server):
+            if srv is not None:
+                srv.should_exit = True
+        for t in self.tasks:
+            if not t.get_name().startswith("http"):
+                t.cancel()
+
+        async def bounded(what: str, aw: Any, budget: float) -> None:
+            try:
+                await asyncio.wait_for(aw, budget)
+            except asyncio.TimeoutError:
+                log.warning("stop: %s did not finish within %.1f s; abandoned", what, budget)
+            except Exception as e:  # a failing close must not keep the process up
+                log.warning("stop: %s failed: %s: %s", what, type(e).__name__, e)
+
+        if self.tasks:
+            done, pending = await asyncio.wait(self.tasks, timeout=3.0)
+            if pending:
+                log.warning("stop: tasks %s did not end within 3 s; abandoned", ", ".join(sorted(t.get_name() for t in pending)))
+        await bounded("webhooks", self.webhooks.close(), 2.0)
+        if self.unix_server is not None and self.config.api.unix_socket:
+            with contextlib.suppress(OSError):
+                os.unlink(self.config.api.unix_socket)
+        self.poller.close()
+        self.power.close()
+        if self.engines is not None:
+            await bounded("engine watchdog", self.engines.aclose(), 2.0)
+        await bounded("gpu lifecycle", self.lifecycle.aclose(), 1.0)
+        if self.recorder is not None:
+            self.recorder.close()
+        if self.profiles is not None:
+            self.profiles.close()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        log.info("stopped: in %.1f s", time.monotonic() - t0)

@@ -15,9 +15,8 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
-from gpuguard.state.events import Event
+from gpuguard.hw.device_calls import DeviceCalls
 from gpuguard.state.hub import HostSnapshot, Hub
-from gpuguard.state.identity import assign_names
 from gpuguard.state.snapshot import GpuSnapshot
 
 log = logging.getLogger("gpuguard.poller")
@@ -57,46 +56,49 @@ def _down(dev: GpuDevice, name: str, reason: str, key: str = "read", card: str |
 
 
 class GpuPoller:
+    """Discovery and reads. What a GPU *is* (name, lost, back) is decided by the hub's
+    GpuStates (`hub.gpus`); the poller only reports what it saw."""
+
     def __init__(
         self,
         hub: Hub,
         sources: Iterable[GpuSource],
-        gpu_entries: Iterable = (),
+        gpu_entries: Iterable | None = None,
         interval: float = 1.0,
         timeout: float = 2.0,
         discover_every: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.hub = hub
+        self.gpus = hub.gpus
+        if gpu_entries is not None:
+            self.gpus.configure(list(gpu_entries))
         self.sources = list(sources)
-        self.gpu_entries = list(gpu_entries)
         self.interval = interval
         self.timeout = timeout
         self.discover_every = discover_every
         self.clock = clock
-        self.devices: dict[str, tuple[GpuSource, GpuDevice]] = {}  # bdf -> (source, device)
-        self.names: dict[str, str] = {}
-        self.lost: set[str] = set()  # bdfs seen before and now gone
+        self.devices: dict[str, tuple[GpuSource, GpuDevice]] = {}  # bdf -> (source, device), last seen
         self._last_discover = float("-inf")
         self._discover_requested = asyncio.Event()
         self._stuck: dict[str, concurrent.futures.Future] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpuguard-read")
+        # daemon threads: a read stuck in a wedged card is abandoned at stop (hw/device_calls.py)
+        self._pool = DeviceCalls("gpuguard-read")
         self.cycles = 0
+        self.last_cycle_end: float | None = None  # monotonic; /healthz reads it
         self.on_cycle: list[Callable[[HostSnapshot], None]] = []  # e.g. the systemd watchdog ping
-        self.on_appear: list[Callable[[str, str], None]] = []  # (bdf, name) — e.g. profile apply
+
+    @property
+    def names(self) -> dict[str, str]:
+        """bdf -> name, read from the GPU state owner (kept for callers that read it here)."""
+        return self.gpus.names()
 
     def request_discovery(self) -> None:
         """Ask for a discovery at the next cycle (a udev add/remove arrived)."""
         self._discover_requested.set()
 
-    def set_gpu_entries(self, entries: Iterable) -> None:
-        self.gpu_entries = list(entries)
-        self.names = assign_names([d for _, d in self.devices.values()], self.gpu_entries)
-
     async def _run_blocking(self, fn, *args, timeout: float | None = None):
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, fn, *args)
-        return await asyncio.wait_for(fut, timeout or self.timeout)
+        return await self._pool.run(fn, *args, timeout=timeout or self.timeout)
 
     async def discover(self) -> None:
         found: dict[str, tuple[GpuSource, GpuDevice]] = {}
@@ -105,49 +107,26 @@ class GpuPoller:
                 devs = await self._run_blocking(source.discover, timeout=max(self.timeout, 5.0))
             except asyncio.TimeoutError:
                 log.error("discovery source=%s timed out; keeping the GPUs it had", source.name)
-                found.update({b: sd for b, sd in self.devices.items() if sd[0] is source})
+                found.update({b: sd for b, sd in self.devices.items() if sd[0] is source and self.gpus.on_bus(b)})
                 continue
             except Exception as e:  # a broken source must not stop the others
                 log.error("discovery source=%s failed: %s", source.name, e)
-                found.update({b: sd for b, sd in self.devices.items() if sd[0] is source})
+                found.update({b: sd for b, sd in self.devices.items() if sd[0] is source and self.gpus.on_bus(b)})
                 continue
             for d in devs:
                 found[d.bdf] = (source, d)
-        before = set(self.devices)
-        for bdf in sorted(set(found) - before):
-            self.lost.discard(bdf)
-        self.devices = {**{b: self.devices[b] for b in before - set(found)}, **found}
-        self.names = assign_names([d for _, d in self.devices.values()], self.gpu_entries)
-        for bdf in sorted(set(found) - before):
-            name = self.names[bdf]
-            if self.cycles > 0 or self._last_discover != float("-inf"):
-                self.hub.publish(
-                    Event("gpu_appeared", "info", "poller", f"GPU {name} ({bdf}) appeared", gpu=name, bdf=bdf)
-                )
-            for fn in self.on_appear:
-                fn(bdf, name)
-        for bdf in sorted(before - set(found)):
-            if bdf not in self.lost:
-                self.lost.add(bdf)
-                name = self.names.get(bdf, bdf)
-                self.hub.publish(
-                    Event(
-                        "gpu_lost",
-                        "critical",
-                        "poller",
-                        f"GPU {name} ({bdf}) is gone from the PCI bus; recovery is kill the engines, then "
-                        "reboot (cold power-cycle if the reboot does not come back)",
-                        gpu=name,
-                        bdf=bdf,
-                    )
-                )
+        # a vanished card stays (reported down: "gone from the PCI bus") until it is back
+        # or identified elsewhere; the state owner decides which
+        self.devices = {**self.devices, **found}
+        self.gpus.observe([d for _, d in found.values()])
+        self.devices = {b: sd for b, sd in self.devices.items() if b in self.gpus}
         self._last_discover = self.clock()
         self._discover_requested.clear()
 
     async def _read_one(self, bdf: str) -> GpuSnapshot:
         source, dev = self.devices[bdf]
-        name = self.names.get(bdf, bdf)
-        if bdf in self.lost:
+        name = self.gpus.name(bdf) or bdf
+        if not self.gpus.on_bus(bdf):
             return _down(dev, name, "gone from the PCI bus", "device")
         stuck = self._stuck.get(bdf)
         if stuck is not None:
@@ -171,33 +150,28 @@ class GpuPoller:
             await self.discover()
         bdfs = sorted(self.devices)
         snaps = await asyncio.gather(*(self._read_one(b) for b in bdfs))
-        previous = self.hub.snapshot
         for s in snaps:
             for _key in s.errors:
                 self.hub.counters.poll_errors[(s.name, self.devices[s.bdf][0].name)] += 1
-            was = previous.gpu(s.bdf) if previous else None
-            if was is not None and was.up and not s.up and s.bdf not in self.lost:
-                self.hub.publish(
-                    Event(
-                        "gpu_not_answering",
-                        "alert",
-                        "poller",
-                        f"GPU {s.name} ({s.bdf}) stopped answering: {'; '.join(s.errors.values())}",
-                        gpu=s.name,
-                        bdf=s.bdf,
-                    )
-                )
+            if s.up:
+                self.gpus.answering(s.bdf)
+            elif self.gpus.on_bus(s.bdf):
+                self.gpus.not_answering(s.bdf, "; ".join(s.errors.values()) or "down")
             # a device whose files vanished mid-read, or whose hwmon index changed: look
             # again at the next cycle
-            if (not s.up and "device" in s.errors) or s.extra.get("rediscover"):
+            if (not s.up and "device" in s.errors and self.gpus.on_bus(s.bdf)) or s.extra.get("rediscover"):
                 self._discover_requested.set()
         duration = time.perf_counter() - t0
         snap = HostSnapshot(time=time.time(), gpus=tuple(snaps), duration_seconds=duration)
         self.hub.counters.poll_duration.labels("gpu").observe(duration)
         self.hub.publish_snapshot(snap, "gpu")
         self.cycles += 1
+        self.last_cycle_end = time.monotonic()
         for fn in self.on_cycle:
-            fn(snap)
+            try:
+                fn(snap)
+            except Exception:  # one listener must not end the cycle for the others
+                log.exception("poll cycle listener %s failed", getattr(fn, "__qualname__", fn))
         return snap
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -220,4 +194,4 @@ class GpuPoller:
                 pass
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()

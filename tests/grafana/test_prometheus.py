@@ -52,7 +52,7 @@ def exposition(tmp_path) -> str:
         _gpu("r9700-0", "0000:05:00.0", "7551", "Radeon AI PRO R9700", "card0", 77.0, 182.0, 300.0,
              34_208_743_424, 34_208_743_424),
     )))
-    hub.counters.kernel_events[("xtx-0", "device_lost")] += 1
+    hub.gpus.kernel_counts[("xtx-0", "device_lost")] += 1
     hub.counters.poll_duration.labels(source="gpu").observe(0.004)
     text = MetricsSink(hub).render().decode()
     (tmp_path / "metrics.txt").write_text(text)

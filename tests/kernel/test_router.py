@@ -13,10 +13,24 @@ from gpuguard.kernel.kmsg import parse_record
 from gpuguard.kernel.router import ActionHook, KernelEventRouter
 from gpuguard.kernel.rules import Rules
 from gpuguard.kernel.udev import DeviceEvent
+from gpuguard.state.gpus import GpuStates
 
 GPU = "0000:aa:00.0"
 NAMES = {GPU: "gpu0", "0000:b0:00.0": "gpu1"}
 _seq = iter(range(1, 10**9))
+
+
+class _Dev:
+    def __init__(self, bdf: str) -> None:
+        self.bdf, self.vendor, self.device_id, self.model = bdf, "1002", "744c", "Radeon RX 7900 XTX"
+
+
+def states(*extra: str) -> GpuStates:
+    """The GPU state owner with the two GPUs discovered: lost/back and the counters are
+    kept there, not in the router (issue 11)."""
+    s = GpuStates()
+    s.observe([_Dev(b) for b in (*NAMES, *extra)])
+    return s
 
 
 def rec(text: str, device: str | None = None, level: int = 3):
@@ -55,7 +69,7 @@ def rules() -> Rules:
 def test_incident_1_sequence_kills_once_marks_lost_once(rules):
     hooks = Recorder()
     assert isinstance(hooks, ActionHook)
-    router = KernelEventRouter(rules, NAMES.get, hooks)
+    router = KernelEventRouter(rules, NAMES.get, hooks, states=states("0000:c1:00.0"))
     router.handle_record(rec("amdgpu: sq_intr: error, detail 0x00000000, type 1, sh 0, priv 1, wave_id 0, simd_id 0, wgp_id 0"))
     router.handle_record(rec("amdgpu 0000:aa:00.0: amdgpu: device lost from bus!", GPU))
     for _ in range(8):
@@ -69,7 +83,7 @@ def test_incident_1_sequence_kills_once_marks_lost_once(rules):
         ("alert", "gpu_reset_failed", GPU),
     ]
     assert router.counts[("gpu0", "gpu_reset_failed")] == 8
-    assert router.counts[(None, "sq_interrupt")] == 1
+    assert router.counts[("host", "sq_interrupt")] == 1
     assert router.is_lost(GPU) and not router.is_lost("0000:b0:00.0")
     assert {(GPU, "device_lost"), (GPU, "gpu_reset_failed")} <= set(router.conditions)
 
@@ -78,7 +92,7 @@ def test_reset_ok_recovers_once_after_the_last_ok_line(rules):
     hooks = Recorder()
 
     async def main():
-        router = KernelEventRouter(rules, NAMES.get, hooks, recover_settle_s=0.05)
+        router = KernelEventRouter(rules, NAMES.get, hooks, recover_settle_s=0.05, states=states("0000:c1:00.0"))
         router.handle_record(rec("amdgpu 0000:aa:00.0: amdgpu: Ring gfx_0.0.0 reset failed", GPU))
         assert router.is_lost(GPU)
         for line in ("amdgpu 0000:aa:00.0: amdgpu: GPU reset succeeded, trying to resume",
@@ -101,7 +115,7 @@ def test_loss_after_reset_ok_cancels_the_recovery(rules):
     hooks = Recorder()
 
     async def main():
-        router = KernelEventRouter(rules, NAMES.get, hooks, recover_settle_s=0.05)
+        router = KernelEventRouter(rules, NAMES.get, hooks, recover_settle_s=0.05, states=states("0000:c1:00.0"))
         router.handle_record(rec("amdgpu 0000:aa:00.0: amdgpu: GPU reset(1) succeeded!", GPU))
         router.handle_record(rec("amdgpu 0000:aa:00.0: amdgpu: device lost from bus!", GPU))
         await asyncio.sleep(0.15)  # past the settle time: nothing may fire
@@ -115,7 +129,7 @@ def test_loss_after_reset_ok_cancels_the_recovery(rules):
 def test_hooks_run_again_after_the_debounce_window(rules):
     now = [1000.0]
     hooks = Recorder()
-    router = KernelEventRouter(rules, NAMES.get, hooks, debounce_s=30, clock=lambda: now[0])
+    router = KernelEventRouter(rules, NAMES.get, hooks, debounce_s=30, clock=lambda: now[0], states=states("0000:c1:00.0"))
     hang = "amdgpu 0000:b0:00.0: ring comp_1.0.0 timeout, signaled seq=5, emitted seq=7"
     router.handle_record(rec(hang))
     now[0] += 29
@@ -127,7 +141,7 @@ def test_hooks_run_again_after_the_debounce_window(rules):
 
 
 def test_attribution_prefers_a_configured_gpu_and_host_wide_has_none(rules):
-    router = KernelEventRouter(rules, NAMES.get)
+    router = KernelEventRouter(rules, NAMES.get, states=states("0000:c1:00.0"))
     # AER: the root port reports (DEVICE=), the erring device is the GPU.
     aer = router.handle_record(rec("pcieport 0000:a0:02.0: AER: Uncorrected (Non-Fatal) error received: 0000:aa:00.0", "0000:a0:02.0"))
     assert (aer.gpu, aer.bdf, aer.kind) == ("gpu0", GPU, "pcie_aer_uncorrected")
@@ -139,18 +153,18 @@ def test_attribution_prefers_a_configured_gpu_and_host_wide_has_none(rules):
     assert (other.gpu, other.bdf) == (None, "0000:00:1c.4")
     oom = router.handle_record(rec("Out of memory: Killed process 4242 (python3) total-vm:1kB, anon-rss:1kB"))
     assert (oom.gpu, oom.bdf, oom.fields["pid"], oom.fields["comm"]) == (None, None, 4242, "python3")
-    assert router.counts[(None, "oom_kill")] == 1
+    assert router.counts[("host", "oom_kill")] == 1
     assert router.handle_record(rec("amdgpu 0000:aa:00.0: amdgpu: ring gfx_0.0.0 uses VM inv eng 0 on hub 0", GPU)) is None
     assert router.records_seen == 5
 
 
 def test_event_list_is_bounded_but_counters_are_not(rules):
     seen = []
-    router = KernelEventRouter(rules, NAMES.get, max_events=10, on_event=seen.append)
+    router = KernelEventRouter(rules, NAMES.get, max_events=10, on_event=seen.append, states=states("0000:c1:00.0"))
     for i in range(25):
         router.handle_record(rec(f"INFO: task python3:{i} blocked for more than 120 seconds."))
     assert len(router.events) == 10 and len(seen) == 25
-    assert router.counts[(None, "hung_task")] == 25
+    assert router.counts[("host", "hung_task")] == 25
     assert router.events[-1].message.startswith("INFO: task python3:24 ")
     assert router.events_since(router.events[5].time) == list(router.events)[5:]
 
@@ -166,7 +180,7 @@ def test_a_failing_hook_is_logged_and_handling_goes_on(rules, caplog):
     hooks = Broken()
 
     async def main():
-        router = KernelEventRouter(rules, NAMES.get, hooks)
+        router = KernelEventRouter(rules, NAMES.get, hooks, states=states("0000:c1:00.0"))
         with caplog.at_level(logging.ERROR):
             router.handle_record(rec("amdgpu 0000:aa:00.0: ring gfx_0.0.0 timeout, signaled seq=1, emitted seq=2", GPU))
             router.handle_record(rec("amdgpu 0000:aa:00.0: amdgpu: device lost from bus!", GPU))
@@ -181,7 +195,7 @@ def test_a_failing_hook_is_logged_and_handling_goes_on(rules, caplog):
 
 def test_udev_remove_is_gpu_lost_and_add_is_an_appearance(rules):
     hooks = Recorder()
-    router = KernelEventRouter(rules, NAMES.get, hooks)
+    router = KernelEventRouter(rules, NAMES.get, hooks, states=states("0000:c1:00.0"))
     pci = DeviceEvent("remove", GPU, "pci", f"/sys/devices/pci0000:a0/{GPU}", GPU, 0x030000)
     drm = DeviceEvent("remove", GPU, "drm", f"/sys/devices/pci0000:a0/{GPU}/drm/card1", "card1")
     lost = router.handle_device(pci)
@@ -208,7 +222,7 @@ def test_config_merges_policy_and_names_bad_keys():
     with pytest.raises(ValidationError) as e:
         KernelConfig.model_validate({"kmsg": "/dev/kmsg"})
     assert "kmsg" in str(e.value) and "Extra inputs" in str(e.value)
-    router = KernelEventRouter(Rules.load(), NAMES.get, Recorder(), cfg.policy)
+    router = KernelEventRouter(Rules.load(), NAMES.get, Recorder(), cfg.policy, states=states("0000:c1:00.0"))
     hooks = router.hooks
     router.handle_record(rec("amdgpu 0000:aa:00.0: amdgpu: [gfxhub] page fault (src_id:0 ring:24 vmid:1 pasid:1)", GPU))
     assert ("fatal", GPU, "vm_fault") in hooks.calls

@@ -22,6 +22,7 @@ class SimFs(mfusepy.Operations):
         self.host = host
         self.overlay = dict(overlay or {})
         self.writes: list[tuple[str, str, int]] = []  # (path, data, errno or 0) in order
+        self.write_starts: list[tuple[float, str, str]] = []  # (wall time, path, data) as each write began
         self.started = threading.Event()  # set by init(), after libfuse's setup
         self.reads: dict[str, int] = {}  # basename of the device folder/file -> reads (to see a poller run)
         self._fh = itertools.count(1)
@@ -100,6 +101,8 @@ class SimFs(mfusepy.Operations):
         return self._cache[fh][offset:offset + size]
 
     def write(self, path, data, offset, fh):
+        with self._wlock:  # when each write *began* (a write blocked in the device counts from here)
+            self.write_starts.append((time.time(), path, bytes(data).decode(errors="replace")))
         try:
             n = self.host.write(path, bytes(data))
         except OSError as e:

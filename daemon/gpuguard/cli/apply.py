@@ -1,6 +1,10 @@
 """`gpuguard apply [--profile P] [GPU…] [--dry-run] [--reset GPU]`: put profiles on cards
 by hand, one card at a time, and print per card the values before → written → read back.
-Exits 0 only when every card read back equal (issue: "Applied" means read back equal).
+Exits 0 only when every card read back equal (issue: "Applied" means read back equal)
+and every configured card is present and identified: a missing card is named and the
+exit status is 1, with --dry-run too (INCIDENTS §2: the boot script that "applied" to the
+one card it found). Cards of an incomplete `{pci_id, index}` group are not identified,
+so nothing is planned for them (state/identity.py).
 
 Without --profile each GPU gets the profile assigned in the config (`gpus[].profile`).
 GPUs are named as in the config, or by PCI address. Who asked is recorded as `cli`
@@ -61,7 +65,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from gpuguard.profiles.audit import AuditLog, audit_path
     from gpuguard.profiles.safemode import SafeModeGuard
     from gpuguard.profiles.schema import ProfilesConfig
-    from gpuguard.state.identity import assign_names
+    from gpuguard.state.identity import identify
 
     try:
         config = load_config(args.config)
@@ -79,7 +83,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
     audit = AuditLog(audit_path(pc.state_dir))
     nv_devices, nv_applier = nvml_profile.host_nvidia(root.root, audit, pc.apply.retries, pc.apply.backoff_seconds)
-    names = assign_names([*devices, *nv_devices], config.gpus)
+    ident = identify([*devices, *nv_devices], config.gpus)
+    names = {d.bdf: ident.name(d.bdf) for d in [*devices, *nv_devices]}
     by_key = {**{b: b for b in names}, **{n: b for b, n in names.items()}}
     who = f"cli:{os.environ.get('SUDO_USER') or os.environ.get('USER') or os.getuid()}"
     applier = Applier(root, audit=audit, retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
@@ -90,6 +95,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
         out = []
         for k in keys:
             bdf = by_key.get(k) or by_key.get(f"0000:{k}")
+            gone = [m for m in ident.missing if m.name == k]
+            if bdf is None and gone:
+                print(f"gpuguard apply: configured GPU {gone[0].label()} is missing: {gone[0].why}", file=sys.stderr)
+                return None
             if bdf is None:
                 print(f"gpuguard apply: no GPU {k!r}; present: {', '.join(f'{n} ({b})' for b, n in names.items()) or 'none'}",
                       file=sys.stderr)
@@ -109,10 +118,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
             print(f"gpuguard apply: no profile {args.profile!r}; defined: {', '.join(sorted(pc.profiles)) or 'none'}",
                   file=sys.stderr)
             return 2
-        bdfs = resolve(args.gpus) if args.gpus else sorted(b for b, n in names.items() if args.profile or n in pc.assignments)
+        bdfs = resolve(args.gpus) if args.gpus else sorted(
+            b for b, n in names.items() if b in ident.names and (args.profile or n in pc.assignments))
         if bdfs is None:
             return 2
-        if not bdfs:
+        if not bdfs and not ident.missing:
             print("gpuguard apply: no GPU has a profile assigned (gpus[].profile) and none was named", file=sys.stderr)
             return 2
         for b in bdfs:  # one card at a time
@@ -124,10 +134,21 @@ def cmd_apply(args: argparse.Namespace) -> int:
         if not args.dry_run and all(r.verified for r in results):
             SafeModeGuard(pc.state_dir, root).clear()  # a person applied by hand: leave safe mode
     out = [r.to_dict() for r in results]
+    # configured cards that are not there (or not identifiable) are named: exit 1
+    wanted = set(args.gpus) if args.gpus else None
+    missing = [m for m in ident.missing if wanted is None or m.name in wanted]
     if args.json:
-        print(json.dumps({"results": out}, indent=2, sort_keys=True))
+        print(json.dumps({"results": out, "missing": [{"gpu": m.name, "match": m.match, "why": m.why}
+                                                      for m in missing]}, indent=2, sort_keys=True))
     else:
-        print(render(out))
+        if out:
+            print(render(out))
+        for m in missing:
+            print(f"{m.label()}: MISSING: {m.why}; nothing applied to it")
+    for m in missing:
+        print(f"gpuguard apply: configured GPU {m.label()} is missing: {m.why}", file=sys.stderr)
+    if missing:
+        return 1
     if args.dry_run:
         return 0 if all(r.result == "dry-run" for r in results) else 1
     return 0 if all(r.verified for r in results) else 1

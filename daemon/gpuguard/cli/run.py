@@ -30,7 +30,52 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(config.logging.level)
     daemon = Daemon(config, config_path=args.config, sysfs_root=args.sysfs_root)
     try:
-        return asyncio.run(daemon.run())
+        code = run_bounded(daemon.run())
     except RuntimeError as e:
         print(f"gpuguard: {e}", file=sys.stderr)
-        return 1
+        code = 1
+    exit_now_if_stuck(code)
+    return code
+
+
+def run_bounded(main) -> int:
+    """asyncio.run, except that closing the loop does not wait for executor threads: a
+    thread stuck in a wedged device would hold the stop past systemd's TimeoutStopSec
+    (issue 11). Leftover tasks get a short grace, then the loop closes."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            rest = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in rest:
+                t.cancel()
+            if rest:
+                loop.run_until_complete(asyncio.wait(rest, timeout=1.0))
+            loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), 1.0))
+        except Exception:  # closing must not turn a clean stop into a traceback
+            pass
+        executor = getattr(loop, "_default_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def exit_now_if_stuck(code: int) -> None:
+    """Threads still blocked in a device call (pool threads are joined at interpreter
+    exit) would keep the process alive: flush and leave without waiting for them."""
+    import logging
+    import os
+    import threading
+
+    stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if not stuck:
+        return
+    logging.getLogger("gpuguard").info("stop: %d worker thread(s) still running (%s); exiting without waiting for them",
+                                       len(stuck), ", ".join(sorted(stuck)[:5]))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

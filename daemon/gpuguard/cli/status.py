@@ -24,18 +24,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def read_local(sysfs_root: str, config: Any) -> list[dict[str, Any]]:
+    return read_local_doc(sysfs_root, config)["gpus"]
+
+
+def read_local_doc(sysfs_root: str, config: Any) -> dict[str, Any]:
+    """One poll of the hardware: the GPUs, the summary line (configured vs present) and
+    the configured cards that are missing (state/identity.py fails closed)."""
     from gpuguard.hw.sources import default_sources
     from gpuguard.hw.sysfs import SysfsRoot
     from gpuguard.poller import GpuPoller
     from gpuguard.state.hub import Hub
 
     root = SysfsRoot(sysfs_root)
-    poller = GpuPoller(Hub(), default_sources(root), config.gpus, timeout=config.poll.timeout_seconds)
+    hub = Hub()
+    poller = GpuPoller(hub, default_sources(root), config.gpus, timeout=config.poll.timeout_seconds)
     try:
         snap = asyncio.run(poller.poll_once())
     finally:
         poller.close()
-    return [g.to_dict() for g in snap.gpus]
+    return {"gpus": [g.to_dict() for g in snap.gpus], "summary": hub.gpus.summary(),
+            "missing": [{"gpu": m.name, "match": m.match, "why": m.why} for m in hub.gpus.missing()]}
 
 
 def ask_daemon(base: str) -> dict[str, Any] | None:
@@ -154,10 +162,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         api = args.api or f"http://{config.listen.address}:{config.listen.port}"
         doc = ask_daemon(api)
     if doc is None:
-        doc = {"gpus": read_local(args.sysfs_root or config.sysfs_root, config)}
+        doc = read_local_doc(args.sysfs_root or config.sysfs_root, config)
     gpus = doc.get("gpus", [])
+    missing = doc.get("missing") or []
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
+        if doc.get("summary"):
+            print(doc["summary"])  # configured vs present: `3/4 GPUs up; missing xtx-0 (1002:744c #0)`
         print(render_table(gpus, doc.get("profiles")))
-    return 0 if all(g["up"] for g in gpus) else 1
+        for m in missing:
+            print(f"MISSING {m['gpu']} ({m['match']}): {m['why']}")
+    return 0 if all(g["up"] for g in gpus) and not missing else 1

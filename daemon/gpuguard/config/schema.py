@@ -22,6 +22,8 @@ class Strict(BaseModel):
 
 
 class PollConfig(Strict):
+    # a GPU that does not answer for this long is lost (engines killed, never written)
+    lost_after_seconds: float = Field(10.0, gt=0, le=3600)
     interval_seconds: float = Field(1.0, ge=0.15, le=15.0, description="GPU telemetry interval")
     timeout_seconds: float = Field(2.0, gt=0, le=60, description="one GPU's read must finish in this time")
     discover_seconds: float = Field(5.0, ge=0.5, le=3600, description="how often to look for new/vanished GPUs")
@@ -40,6 +42,9 @@ class GpuMatch(Strict):
     bdf: str | None = None
     pci_id: str | None = None
     index: int = Field(0, ge=0)
+    # How many cards of this id the host has; default: the highest configured index + 1.
+    # Names by index are assigned only while exactly this many are present (identity.py).
+    count: int | None = Field(None, ge=1, le=64)
 
     @field_validator("bdf")
     @classmethod
@@ -55,6 +60,8 @@ class GpuMatch(Strict):
     def _one_way(self) -> "GpuMatch":
         if (self.bdf is None) == (self.pci_id is None):
             raise ValueError("give exactly one of bdf or pci_id")
+        if self.count is not None and (self.pci_id is None or self.index >= self.count):
+            raise ValueError("count goes with pci_id and must be greater than index")
         return self
 
 

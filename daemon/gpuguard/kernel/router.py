@@ -1,7 +1,8 @@
 """Kernel and device events → actions: owns what gpuguard does when the kernel speaks.
-Classifies kmsg records and udev device events, keeps the bounded event list, the
-per-(gpu, kind) counters (`gpuguard_kernel_events_total`), the conditions that hold
-(a lost GPU, a failed reset) and the set of lost GPUs, and calls the policy hooks.
+Classifies kmsg records and udev device events, keeps the bounded event list, and
+reports into the GPU state owner (`state/gpus.py`): the per-(gpu, kind) counters
+(`gpuguard_kernel_events_total`, GPU-less lines under gpu="host"), the conditions that
+hold (a lost GPU, a failed reset), lost and back. Then it calls the policy hooks.
 
 The hooks' real implementations live elsewhere (profiles, engine watchdog, notifier);
 this module only decides when to call them. A hook may be sync or async; one that raises
@@ -23,6 +24,7 @@ from gpuguard.kernel.kmsg import KmsgReader, KmsgRecord
 from gpuguard.kernel.rules import Rules
 from gpuguard.kernel.udev import DeviceEvent, UdevMonitor
 from gpuguard.state.events import Event
+from gpuguard.state.gpus import GpuStates
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class KernelEventRouter:
         recover_settle_s: float = 2.0,
         on_event: Callable[[Event], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        states: GpuStates | None = None,
     ) -> None:
         self.rules = rules
         self.gpu_name_for_bdf = gpu_name_for_bdf
@@ -66,9 +69,7 @@ class KernelEventRouter:
         self.on_event = on_event
         self.clock = clock
         self.events: deque[Event] = deque(maxlen=max_events)
-        self.counts: Counter[tuple[str | None, str]] = Counter()
-        self.conditions: dict[tuple[str | None, str], Event] = {}
-        self.lost: dict[str, Event] = {}
+        self.states = states if states is not None else GpuStates()
         self.records_seen = 0
         self.hook_errors = 0
         self._last_action: dict[tuple[str | None, str], float] = {}
@@ -96,18 +97,18 @@ class KernelEventRouter:
         gpu = self.gpu_name_for_bdf(dev.bdf) if self.gpu_name_for_bdf else None
         fields = {"action": dev.action, "subsystem": dev.subsystem, "sys_path": dev.sys_path}
         if dev.action in ("remove", "unbind"):
-            if (dev.bdf, "gpu_lost") in self.conditions:
+            if (dev.bdf, "gpu_lost") in self.conditions or self.states.is_lost(dev.bdf):
                 return None  # pci and drm both report one loss
             event = Event(kind="gpu_lost", severity="critical", source="udev",
                           message=f"GPU {dev.bdf} removed ({dev.subsystem} {dev.action})",
-                          gpu=gpu, bdf=dev.bdf, fields={**fields, "condition": True})
+                          gpu=gpu, bdf=dev.bdf, fields={**fields, "condition": True, "route": "udev",
+                                                        "engines": self.states.engines_on(dev.bdf)})
             self._emit(event, ())
             return event
         if dev.action in ("add", "bind"):
-            was_lost = dev.bdf in self.lost
-            for kind in _CLEARED_BY_APPEARANCE:
-                self.conditions.pop((dev.bdf, kind), None)
-            self.lost.pop(dev.bdf, None)
+            was_lost = self.states.is_lost(dev.bdf)
+            self.states.clear_conditions(dev.bdf, _CLEARED_BY_APPEARANCE)
+            self.states.back(dev.bdf, f"udev {dev.action}")
             event = Event(kind="gpu_appeared", severity="info", source="udev",
                           message=f"GPU {dev.bdf} appeared ({dev.subsystem} {dev.action})"
                           + (", was lost" if was_lost else ""),
@@ -151,7 +152,15 @@ class KernelEventRouter:
     # ── state ───────────────────────────────────────────────────────────────────
     def is_lost(self, bdf: str) -> bool:
         """A lost GPU is never written to until it reappears (DESIGN safety rule)."""
-        return bdf in self.lost
+        return self.states.is_lost(bdf)
+
+    @property
+    def counts(self) -> Counter[tuple[str, str]]:
+        return self.states.kernel_counts
+
+    @property
+    def conditions(self) -> dict[tuple[str, str], Event]:
+        return self.states.conditions
 
     def events_since(self, since: float) -> list[Event]:
         return [e for e in self.events if e.time >= since]
@@ -159,7 +168,6 @@ class KernelEventRouter:
     # ── core ────────────────────────────────────────────────────────────────────
     def _record(self, event: Event) -> None:
         self.events.append(event)
-        self.counts[(event.gpu, event.kind)] += 1
         if self.on_event is not None:
             try:
                 result = self.on_event(event)
@@ -170,11 +178,8 @@ class KernelEventRouter:
 
     def _emit(self, event: Event, clears: Iterable[str]) -> None:
         self._record(event)
+        self.states.kernel_event(event, clears)
         bdf = event.bdf
-        for kind in clears:
-            self.conditions.pop((bdf, kind), None)
-        if event.fields.get("condition"):
-            self.conditions[(bdf, event.kind)] = event
         for action in self.policy.get(event.kind, ()):
             if action == "alert":
                 if self._debounced(bdf, f"alert:{event.kind}"):
@@ -182,9 +187,11 @@ class KernelEventRouter:
             elif action == "mark_lost":
                 if bdf is None:
                     log.warning("%s names no GPU; cannot mark one lost: %s", event.kind, event.message)
-                elif bdf not in self.lost:
-                    self.lost[bdf] = event
+                elif not self.states.is_lost(bdf):
                     self._cancel_recover(bdf)
+                    # a udev remove is already a `gpu_lost` event: one alert per loss
+                    self.states.mark_lost(bdf, f"{event.source}:{event.kind}", event.message,
+                                          quiet=event.kind == "gpu_lost")
                     self._call("on_gpu_lost", bdf)
             elif action == "kill_engines":
                 if self._debounced(bdf, "kill_engines"):
@@ -193,7 +200,6 @@ class KernelEventRouter:
                 if bdf is None:
                     log.warning("%s names no GPU; nothing to recover: %s", event.kind, event.message)
                 else:
-                    self.lost.pop(bdf, None)
                     self._schedule_recover(bdf)
 
     def _debounced(self, bdf: str | None, action: str) -> bool:
@@ -215,13 +221,16 @@ class KernelEventRouter:
         except RuntimeError:
             loop = None
         if loop is None or self.recover_settle_s <= 0:
+            self.states.reset(bdf, "kernel: GPU reset succeeded")
             if self._debounced(bdf, "recover"):
                 self._call("on_gpu_reset_ok", bdf)
             return
 
         def fire() -> None:
             self._recover_timers.pop(bdf, None)
-            if bdf not in self.lost and self._debounced(bdf, "recover"):
+            # the card is at stock settings (its profile pending again) and back if lost
+            self.states.reset(bdf, "kernel: GPU reset succeeded")
+            if not self.states.is_lost(bdf) and self._debounced(bdf, "recover"):
                 self._call("on_gpu_reset_ok", bdf)
 
         self._recover_timers[bdf] = loop.call_later(self.recover_settle_s, fire)

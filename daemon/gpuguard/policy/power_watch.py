@@ -143,7 +143,7 @@ def poller_channels(poller: Any, hub: Hub) -> Callable[[], list[PowerChannel]]:
         snap = hub.snapshot
         asleep = {g.bdf for g in (snap.gpus if snap else ()) if g.runtime_status == "suspended"}
         live = {b: sd for b, sd in poller.devices.items()
-                if b not in poller.lost and not hub.is_lost(b) and b not in asleep}
+                if not hub.gpus.is_lost(b) and b not in asleep}
         key = tuple(sorted((b, poller.names.get(b, b), sd[1]) for b, sd in live.items()))
         if key != cache["key"]:
             out = []

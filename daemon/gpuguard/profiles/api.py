@@ -5,7 +5,6 @@ loses the host keeps it). Every call goes through the same Applier as the daemon
 applies: one card at a time, validated, read back, audited with the API token's name."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from gpuguard.profiles.apply import CardResult, CardTarget, result_event
@@ -18,25 +17,25 @@ class ProfileActions:
         self.rt = runtime
 
     def _target(self, gpu: str) -> CardTarget:
-        poller = self.rt.daemon.poller
-        for bdf, name in poller.names.items():
-            if name == gpu and bdf in poller.devices:
-                if bdf in poller.lost or self.rt.daemon.hub.is_lost(bdf):
-                    raise ActionRefused(f"GPU {gpu} ({bdf}) is lost: nothing is written to it until it reappears")
-                return CardTarget(gpu, bdf)
-        raise UnknownTarget(f"no GPU named {gpu!r}")
+        gpus = self.rt.gpus
+        bdf = gpus.bdf_of(gpu)
+        s = gpus.get(bdf) if bdf else None
+        if s is None or not s.on_bus:
+            raise UnknownTarget(f"no GPU named {gpu!r}")
+        if not gpus.may_write(bdf):
+            why = f"is {s.presence.replace('_', ' ')}" if not s.up else (
+                "is not identified (" + (s.why_unnamed or "no configured name") + ")" if not s.named else "may not be written")
+            raise ActionRefused(f"GPU {s.name} ({bdf}) {why}: nothing is written to it")
+        return CardTarget(s.name, bdf)
 
     async def _run(self, fn, *args) -> CardResult:
-        lock = self.rt._lock or asyncio.Lock()
-        self.rt.busy.add(args[0].name)
+        target = args[0]
+        self.rt.busy.add(target.bdf)
         try:
-            async with lock:  # one card at a time, shared with the daemon's own applies
-                r = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            r = await self.rt.on_card(fn, *args)  # one card at a time, shared with the daemon's applies
         finally:
-            self.rt.busy.discard(args[0].name)
-        self.rt.ledger.record(r)
-        self.rt._publish(result_event(r))
-        self.rt._set_view()
+            self.rt.busy.discard(target.bdf)
+        self.rt.record(r)
         if not r.verified:
             raise ActionRefused(f"{r.gpu}: {r.result}: {r.message}")
         return r
@@ -54,7 +53,7 @@ class ProfileActions:
 
     async def snapshot_state(self, gpu: str) -> dict[str, Any]:
         target = self._target(gpu)
-        reading = await asyncio.get_running_loop().run_in_executor(None, self.rt.applier.read, target)
+        reading = await self.rt.calls.run(self.rt.applier.read, target, timeout=self.rt.cfg.apply.timeout_seconds)
         values = {k: v for k, v in reading.values().items() if k in SETTINGS or k == "performance_level"}
         return values
 

@@ -136,6 +136,7 @@ class Applier:
         sleep: Callable[[float], None] = time.sleep,
         is_lost: Callable[[str], bool] = lambda bdf: False,
         wake_timeout: float = 2.0,
+        may_write: Callable[[str], bool] = lambda bdf: True,
     ) -> None:
         self.root = root
         self.audit = audit or (lambda rec: None)
@@ -148,6 +149,9 @@ class Applier:
         self.backoff = backoff
         self.sleep = sleep
         self.is_lost = is_lost
+        # asked before every single write (the GPU state owner: lost, not answering,
+        # unnamed, the daemon stopping); a refusal ends the apply, nothing more is written
+        self.may_write = may_write
         self.wake_timeout = wake_timeout
 
     # -- reading ------------------------------------------------------------------------
@@ -241,6 +245,12 @@ class Applier:
         mark = getattr(self.kernel_reason, "mark", None)
         since = mark() if mark is not None else time.monotonic()
         rec = {"action": "write", "who": who, "why": why, "gpu": target.name, "bdf": target.bdf, "file": path, "value": value}
+        if self.is_lost(target.bdf) or not self.may_write(target.bdf):
+            e = SysfsError(path, errno_mod.ECANCELED, "write")
+            e.text = (f"not written {value!r} to {path}: {target.name} ({target.bdf}) may not be written now "  # type: ignore[attr-defined]
+                      "(lost, not answering, not identified, or the daemon is stopping)")
+            log.warning("gpu=%s %s", target.name, e.text)  # type: ignore[attr-defined]
+            return e
         try:
             self.root.write_text(path, value + "\n")
         except SysfsError as e:
@@ -279,10 +289,11 @@ class Applier:
     def _run(self, target: CardTarget, profile_name: str, make_plan: Callable[[CardReading], Plan],
              who: str, why: str, dry_run: bool) -> CardResult:
         base = dict(gpu=target.name, bdf=target.bdf, profile=profile_name)
-        if self.is_lost(target.bdf) or not self.root.exists(target.device):
+        if self.is_lost(target.bdf) or not self.root.exists(target.device) or not self.may_write(target.bdf):
             # DESIGN.md: a GPU marked lost is never written to until it reappears.
             return CardResult(**base, result="lost", verified=False,
-                              message=f"{target.name} ({target.bdf}) is lost; nothing written")
+                              message=f"{target.name} ({target.bdf}) may not be written now (lost, not answering, "
+                                      "not identified, or the daemon is stopping); nothing written")
         reading = self.read(target)
         woke: str | None = None
         try:
@@ -336,6 +347,9 @@ class Applier:
                 written.append(str(w))
             if failed is not None:
                 errors.append(getattr(failed, "text", str(failed)))
+                if failed.errno == errno_mod.ECANCELED:
+                    return CardResult(**base, result="lost", verified=False, written=tuple(written), attempts=attempts,
+                                      errors=tuple(errors), message=errors[-1])
                 if failed.errno in GONE:
                     return CardResult(**base, result="lost" if not self.root.exists(target.device) else "error",
                                       verified=False, written=tuple(written), attempts=attempts, errors=tuple(errors),

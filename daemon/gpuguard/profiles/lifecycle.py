@@ -1,21 +1,30 @@
-"""Profiles in the daemon's life: `attach(daemon)` wires the profile feature into a
-`Daemon` without the daemon knowing about it.
+"""Profiles in the daemon's life. Which profile a card should carry and whether that is
+verified is GPU state (`state/gpus.py`: profile_state none/pending/verified/unverified/
+lost); this runtime makes pending cards verified:
 
-- `on_ready` hook (runs after the first poll, before READY=1): safe-mode decision, wait
-  for `apply.wait_for_gpus`, apply + verify every assigned GPU one at a time — so engine
-  units ordered `After=gpuguard.service` start on verified cards (issue: boot ordering).
-- `poller.on_appear`: a late card (or one back from lost) gets its profile.
-- `poller.on_cycle`: drift check (re-apply a card that reverted, with an event),
-  effective-clock check, the safe-mode heartbeat, and a STATUS= note naming unverified GPUs.
-- a metrics producer and the hub view `profiles` (status/API).
+- start (`on_ready`, after the first poll, before READY=1): safe-mode decision, wait for
+  `apply.wait_for_gpus`, then apply + verify every pending card one at a time — so engine
+  units ordered `After=gpuguard.service` start on verified cards;
+- every poll cycle (`on_cycle`): reconcile — a late card, a card back from lost, a card
+  reset by the kernel or one that drifted (a reset restores stock silently) is pending
+  and gets applied; the effective-clock check; the safe-mode heartbeat; a STATUS= note.
+
+Every write asks `GpuStates.may_write` (lost, not answering, unnamed, stopping). Each
+card's apply runs on an abandonable device thread under `apply.timeout_seconds`, so a
+blocked OD file cannot hang the start or the stop; retry backoff sleeps end on SIGTERM.
+A reset during an apply bumps the card's generation: the result no longer counts and the
+card stays pending.
 """
 from __future__ import annotations
 
 import asyncio
 import atexit
 import logging
-from typing import Any
+import threading
+from typing import Any, Awaitable, Callable
 
+from gpuguard.hw.device_calls import DeviceCalls
+from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.profiles.apply import Applier, CardResult, CardTarget, result_event
 from gpuguard.profiles.audit import AuditLog, audit_path
 from gpuguard.profiles.drift import drift
@@ -27,85 +36,136 @@ from gpuguard.profiles.schema import Profile, ProfilesConfig
 from gpuguard.profiles.wait import wait_for_gpus
 from gpuguard.policy.conditions import Conditions
 from gpuguard.state.events import Event
-from gpuguard.state.identity import missing_names
+from gpuguard.state.gpus import GpuStates
+from gpuguard.state.hub import Hub
 
 log = logging.getLogger("gpuguard.profiles")
 VIEW = "profiles"
 
 
 class ProfileRuntime:
-    def __init__(self, daemon: Any, applier: Applier | None = None, guard: SafeModeGuard | None = None) -> None:
-        self.daemon = daemon
-        self.cfg = ProfilesConfig.from_root(daemon.config)
-        a = self.cfg.apply
+    def __init__(self, cfg: ProfilesConfig, gpus: GpuStates, hub: Hub, root: SysfsRoot,
+                 discover: Callable[[], Awaitable[Any]] | None = None, applier: Applier | None = None,
+                 guard: SafeModeGuard | None = None) -> None:
+        self.cfg = cfg
+        self.gpus = gpus
+        self.hub = hub
+        self.root = root
+        self.discover = discover
         self.ledger = ProfileLedger()
-        self.audit = AuditLog(audit_path(self.cfg.state_dir))
+        self.audit = AuditLog(audit_path(cfg.state_dir))
+        self._stop = threading.Event()  # ends retry backoff sleeps in apply threads at SIGTERM
+        a = cfg.apply
         self.applier = applier or Applier(
-            daemon.root, audit=self.audit, kernel_reason=KmsgReasons(daemon.root), retries=a.retries,
-            backoff=a.backoff_seconds, is_lost=lambda bdf: bdf in daemon.poller.lost or daemon.hub.is_lost(bdf),
+            root, audit=self.audit, kernel_reason=KmsgReasons(root), retries=a.retries, backoff=a.backoff_seconds,
+            sleep=self._sleep, may_write=gpus.may_write,
         )
-        self.guard = guard or SafeModeGuard(self.cfg.state_dir, daemon.root, a.safe_mode_window_seconds,
-                                            a.safe_mode_after_crashes)
+        self.guard = guard or SafeModeGuard(cfg.state_dir, root, a.safe_mode_window_seconds, a.safe_mode_after_crashes)
+        self.calls = DeviceCalls("gpuguard-apply")
         # Debounce: a clock must contradict for two polls in a row before it alerts (a
         # poll in flight during an apply may read the clock of the old setting once).
         self.clock_conditions = Conditions(raise_after=2, clear_after=1)
         self.ready = False
         self.safe = False
-        self.busy: set[str] = set()
+        self.busy: set[str] = set()  # bdfs with an apply queued or running
         self._lock: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    # -- helpers --------------------------------------------------------------------------
-    def assigned(self, gpu: str) -> tuple[str, Profile] | None:
-        pname = self.cfg.assignments.get(gpu)
-        return None if pname is None else (pname, self.cfg.profiles[pname])
+    def _sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
 
-    def in_effect(self, gpu: str) -> tuple[str, Profile] | None:
+    # -- configuration ----------------------------------------------------------------------
+    def configure(self, cfg: ProfilesConfig) -> None:
+        """Reload: new profiles, assignments and apply settings (the GPU state owner made
+        cards whose assignment changed pending)."""
+        old, self.cfg = self.cfg, cfg
+        a = cfg.apply
+        self.applier.retries = a.retries
+        self.applier.backoff = a.backoff_seconds
+        # a profile whose values changed: the cards carrying it get it again
+        for s in self.gpus.all():
+            if s.profile and old.profiles.get(s.profile) != cfg.profiles.get(s.profile) and \
+                    s.profile_state in ("verified", "unverified"):
+                self.gpus.set_pending(s.bdf, f"config reloaded: profile {s.profile} changed")
+
+    def lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def in_effect(self, g: Any) -> tuple[str, Profile] | None:
         """The profile on the card now: the ledger's last verified write (an apply, a
         revert, a reset); before any, the configured one only where gpuguard does not
         apply itself (`gpuguard apply` at boot)."""
-        known, pname = self.ledger.profile_in_effect(gpu)
+        known, pname = self.ledger.profile_in_effect(g.name)
         if not known:
-            return None if self.cfg.apply.enabled else self.assigned(gpu)
+            if self.cfg.apply.enabled:
+                return None
+            s = self.gpus.get(g.bdf)
+            pname = s.profile if s is not None and s.named else None
         if pname is None or pname not in self.cfg.profiles:
             return None
         return pname, self.cfg.profiles[pname]
 
+    # -- helpers ----------------------------------------------------------------------------
     def _publish(self, event: Event | None) -> None:
         if event is not None:
-            self.daemon.hub.publish(event)
+            self.hub.publish(event)
 
     def _set_view(self) -> None:
-        self.daemon.hub.set_view(VIEW, self.ledger.view())
+        self.hub.set_view(VIEW, self.ledger.view())
 
     def _spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def apply_one(self, bdf: str, gpu: str, who: str, why: str) -> CardResult | None:
-        a = self.assigned(gpu)
-        if a is None:
-            return None
-        pname, profile = a
-        assert self._lock is not None
-        self.busy.add(gpu)
-        try:
-            async with self._lock:  # one card at a time
-                loop = asyncio.get_running_loop()
-                r = await loop.run_in_executor(None, self.applier.apply, CardTarget(gpu, bdf), pname, profile, who, why)
-        finally:
-            self.busy.discard(gpu)
+    async def on_card(self, fn: Callable[..., CardResult], target: CardTarget, *args: Any) -> CardResult:
+        """Run one card operation (apply, reset) on a device thread, one card at a time,
+        under `apply.timeout_seconds`. A timeout abandons the thread and says so."""
+        async with self.lock():  # one card at a time
+            if not self.gpus.may_write(target.bdf):
+                return CardResult(target.name, target.bdf, str(args[0]) if args and isinstance(args[0], str) else "?",
+                                  "lost", False, f"{target.name} ({target.bdf}) may not be written now; nothing written")
+            timeout = self.cfg.apply.timeout_seconds
+            try:
+                return await self.calls.run(fn, target, *args, timeout=timeout)
+            except asyncio.TimeoutError:
+                msg = (f"apply on {target.name} ({target.bdf}) did not finish within {timeout:g} s "
+                       "(apply.timeout_seconds): the card is not answering; abandoned")
+                log.error("%s", msg)
+                return CardResult(target.name, target.bdf, str(args[0]) if args and isinstance(args[0], str) else "?",
+                                  "error", False, msg, errors=(msg,))
+
+    def record(self, r: CardResult, generation: int | None = None) -> None:
         self.ledger.record(r)
         self._publish(result_event(r))
         if r.written:
             self.guard.record_apply()
+        if generation is not None and r.result != "dry-run":
+            if not self.gpus.profile_result(r.bdf, generation, r.verified):
+                log.info("gpu=%s bdf=%s was reset or came back during the apply: still pending", r.gpu, r.bdf)
         self._set_view()
+
+    async def apply_one(self, bdf: str, who: str, why: str) -> CardResult | None:
+        """Apply the card's assigned profile (from the GPU state) and verify it."""
+        self.busy.add(bdf)
+        try:
+            s = self.gpus.get(bdf)
+            if s is None or s.profile is None or not self.gpus.may_write(bdf):
+                return None
+            profile = self.cfg.profiles.get(s.profile)
+            if profile is None:
+                return None
+            generation = s.generation
+            r = await self.on_card(self.applier.apply, CardTarget(s.name, bdf), s.profile, profile, who, why)
+        finally:
+            self.busy.discard(bdf)
+        self.record(r, generation)
         return r
 
-    # -- hooks ----------------------------------------------------------------------------
+    # -- hooks ------------------------------------------------------------------------------
     async def on_ready(self) -> None:
-        self._lock = asyncio.Lock()
         atexit.register(self.guard.record_clean_stop)
         decision = self.guard.decide()
         if decision.safe:
@@ -119,12 +179,11 @@ class ProfileRuntime:
         if not a.enabled:
             self.ready = True
             return
-        poller = self.daemon.poller
         if a.wait_for_gpus:
             async def look():
-                await poller.discover()
-                present = [poller.names.get(b, b) for b in sorted(poller.devices) if b not in poller.lost]
-                return present, missing_names([d for _, d in poller.devices.values()], poller.gpu_entries)
+                if self.discover is not None:
+                    await self.discover()
+                return [s.name for s in self.gpus.present()], [m.name for m in self.gpus.missing()]
 
             w = await wait_for_gpus(look, a.wait_for_gpus, a.wait_timeout_seconds)
             self.ledger.wait_message = w.message()
@@ -132,27 +191,31 @@ class ProfileRuntime:
                 self._publish(Event("gpus_missing", "alert", "profiles", w.message(),
                                     fields={"missing": list(w.missing), "wanted": w.wanted}))
             log.info("profiles: %s", w.message())
-        for bdf in sorted(poller.devices):
-            if bdf in poller.lost:
-                continue
-            name = poller.names.get(bdf, bdf)
-            if self.assigned(name):
-                await self.apply_one(bdf, name, "policy", f"daemon start: profile {self.cfg.assignments[name]} assigned to {name}")
+        for s in self.gpus.pending():
+            if self._stop.is_set():
+                break
+            await self.apply_one(s.bdf, "policy", f"daemon start: profile {s.profile} assigned to {s.name}")
         self.ready = True
         self._set_view()
 
-    def on_appear(self, bdf: str, name: str) -> None:
-        if not self.ready or self.safe or not self.cfg.apply.enabled or self.assigned(name) is None:
-            return  # before ready the start-up apply covers every present card
-        self._spawn(self.apply_one(bdf, name, "policy", f"GPU {name} appeared (late card or back from lost)"))
+    def reconcile(self) -> None:
+        """Apply every pending card that may be written (late, back, reset, drifted)."""
+        if not self.ready or self.safe or not self.cfg.apply.enabled or self._stop.is_set():
+            return
+        for s in self.gpus.pending():
+            if s.bdf in self.busy:
+                continue
+            self.busy.add(s.bdf)
+            self._spawn(self.apply_one(s.bdf, "policy", f"GPU {s.name}: {s.pending_why or 'profile pending'}"))
 
     def on_cycle(self, snap: Any) -> None:
         if self.ready and not self.safe:
             self.guard.heartbeat()
             if self.cfg.apply.enabled and self.cfg.apply.drift_check:
                 self._check_drift(snap)
+            self.reconcile()
             if self.cfg.apply.effective_check:
-                on_card = {g.name: p for g in snap.gpus if (p := self.in_effect(g.name))}
+                on_card = {g.name: p for g in snap.gpus if (p := self.in_effect(g))}
                 observed, findings = effective_findings(snap.gpus, on_card, self.cfg.apply.effective_busy_ratio,
                                                         self.cfg.apply.effective_tolerance_ratio)
                 self.ledger.set_effective(
@@ -167,13 +230,14 @@ class ProfileRuntime:
                     self._publish(ev)
         self._set_view()
         # systemd's STATUS= line (and /v1/status's summary) name unverified GPUs
-        self.daemon.hub.notes["profiles"] = self.status_note()
+        self.hub.notes["profiles"] = self.status_note()
 
     def _check_drift(self, snap: Any) -> None:
         for g in snap.gpus:
-            if g.name in self.busy or g.bdf in self.daemon.poller.lost or self.daemon.hub.is_lost(g.bdf):
+            s = self.gpus.get(g.bdf)
+            if s is None or g.bdf in self.busy or s.profile_state != "verified" or not self.gpus.may_write(g.bdf):
                 continue
-            expected = self.ledger.expected(g.name)
+            expected = self.ledger.expected(s.name)
             if not expected:
                 continue
             d = drift(g, expected)
@@ -181,26 +245,40 @@ class ProfileRuntime:
                 continue
             what = ", ".join(f"{k} {want}→{now}" for k, (want, now) in d.items())
             self._publish(Event("profile_drift", "warning", "profiles",
-                                f"{g.name} ({g.bdf}) no longer has profile {self.cfg.assignments[g.name]}: {what} "
-                                "(a GPU reset restores stock settings); re-applying", gpu=g.name, bdf=g.bdf,
+                                f"{s.name} ({g.bdf}) no longer has profile {s.profile}: {what} "
+                                "(a GPU reset restores stock settings); re-applying", gpu=s.name, bdf=g.bdf,
                                 fields={"drift": {k: [w, n] for k, (w, n) in d.items()}}))
-            self.busy.add(g.name)
-            self._spawn(self.apply_one(g.bdf, g.name, "policy", f"drift: {what}"))
+            self.gpus.set_pending(g.bdf, f"drift: {what}")
+            self.busy.add(g.bdf)
+            self._spawn(self.apply_one(g.bdf, "policy", f"drift: {what}"))
 
     def status_note(self) -> str:
         if self.ledger.safe_mode:
             return "profiles: SAFE MODE"
-        bad = self.ledger.unverified()
+        bad = [r for r in self.ledger.unverified() if (s := self.gpus.get(r.bdf)) is not None and s.name == r.gpu
+               and s.profile_state == "unverified"]
         if bad:
             return "profile unverified: " + ", ".join(f"{r.gpu} ({r.result})" for r in bad)
         return ""
 
+    # -- stop -------------------------------------------------------------------------------
+    def begin_stop(self) -> None:
+        """SIGTERM: no new apply, backoff sleeps end, running device calls are abandoned."""
+        self._stop.set()
+        for t in list(self._tasks):
+            t.cancel()
+        self.calls.close()
+
+    def close(self) -> None:
+        if self.ready:
+            self.guard.record_clean_stop()
+
 
 def attach(daemon: Any) -> ProfileRuntime:
-    """Wire profiles into `daemon` (hooks, metrics, view). Returns the runtime (tests use it)."""
-    rt = ProfileRuntime(daemon)
+    """Wire profiles into `daemon` (hooks, metrics, view, API provider). Returns the runtime."""
+    rt = ProfileRuntime(ProfilesConfig.from_root(daemon.config), daemon.hub.gpus, daemon.hub, daemon.root,
+                        discover=daemon.poller.discover)
     daemon.on_ready.append(rt.on_ready)
-    daemon.poller.on_appear.append(rt.on_appear)
     daemon.poller.on_cycle.append(rt.on_cycle)
     daemon.metrics.add_producer(rt.ledger.metrics)
     daemon.profiles = rt
@@ -209,11 +287,7 @@ def attach(daemon: Any) -> ProfileRuntime:
         from gpuguard.profiles.api import ProfileActions
 
         actions.provide_from(ProfileActions(rt))
-    # After a GPU reset the card is back at stock settings (INCIDENTS §3: silently):
-    # re-verify and re-apply at once rather than waiting for the drift check.
-    actions = getattr(daemon, "kernel_actions", None)
-    if actions is not None:
-        actions.on_reset_ok.append(
-            lambda gpu, bdf: rt.apply_one(bdf, gpu, "policy", "GPU reset: the card is back at stock settings") if gpu else None
-        )
     return rt
+
+
+__all__ = ["ProfileRuntime", "attach", "Profile"]

@@ -65,6 +65,7 @@ class Faults:
 
     garbage: dict = field(default_factory=dict)        # file name → bytes
     blocked: dict = field(default_factory=dict)        # file name → threading.Event
+    blocked_writes: dict = field(default_factory=dict)  # file name → threading.Event (a store() that hangs)
     ignore_next: set = field(default_factory=set)      # {"commit", "stage", "power_cap"}
     lost_stage: int = 0                                # 0 ok, 1 failing, 2 removed
     lost_errno: int = errno.EIO
@@ -383,7 +384,7 @@ class AmdGpu:
             self.log.add(KERN_INFO, f"amdgpu {self.bdf}: GPU reset({self.resets}) succeeded!", self.bdf)
 
     def release_blocked(self) -> None:
-        for ev in self.faults.blocked.values():
+        for ev in (*self.faults.blocked.values(), *self.faults.blocked_writes.values()):
             ev.set()
 
 

@@ -4,7 +4,8 @@ Each request is one line `{"op": NAME, ...arguments}`; each answer one line
 `{"ok": true, "result": ...}` or `{"ok": false, "error": "..."}`. Operations (SimHost
 methods of the same name): set_load(bdf, level), set_vram(bdf, used_bytes), step(dt),
 lose_gpu(bdf, err?), return_gpu(bdf), add_late_gpu(bdf, after_s?), appear(bdf), renumber_hwmon(),
-garbage(bdf, file, text), clear_garbage(bdf, file?), block(bdf, file), unblock(bdf, file?),
+garbage(bdf, file, text), clear_garbage(bdf, file?), block(bdf, file), block_writes(bdf, file),
+unblock(bdf, file?),
 suspend(bdf, resume_error?), resume(bdf), reset_gpu(bdf, steps?),
 ignore_first_write(bdf, kind?), transients(bdf, scale?), aer_error(bdf, name?, count?, severity?), plus
 state() (JSON summary), gpus(), all_gpus(), kernel_log(since=0) (raw /dev/kmsg records), read(path)
@@ -51,8 +52,8 @@ def handle(host: SimHost, req: dict, extra: dict[str, Callable[..., Any]] | None
             import errno
             req["err"] = getattr(errno, req["err"])
         return getattr(host, op)(**req)
-    if op == "block":
-        host.block(**req)
+    if op in ("block", "block_writes"):
+        getattr(host, op)(**req)
         return None
     if op == "gpus":
         return host.gpus
@@ -64,7 +65,7 @@ def handle(host: SimHost, req: dict, extra: dict[str, Callable[..., Any]] | None
         return host.read(req["path"]).decode("latin-1")
     if op == "write":
         return host.write(req["path"], req["data"].encode("latin-1"))
-    known = HOST_OPS + ("block", "gpus", "all_gpus", "kernel_log", "read", "write") + tuple(extra or ())
+    known = HOST_OPS + ("block", "block_writes", "gpus", "all_gpus", "kernel_log", "read", "write") + tuple(extra or ())
     raise ControlError(f"unknown op {op!r}; known: {', '.join(known)}")
 
 

@@ -11,6 +11,10 @@ Owns the faults a daemon must survive, each with the kernel's observable behavio
 - `renumber_hwmon()`: every GPU's hwmonN changes (as between boots).
 - `garbage(bdf, file, text)`: that file (by name, device or hwmon dir) reads `text`.
 - `block(bdf, file)`: reads of that file hang until `unblock()`/`release_all()`.
+- `block_writes(bdf, file)`: writes to that file hang the same way (an OD store() that
+  never returns from the SMU).
+- `return_gpu(bdf)`: a GPU that fell off the bus is back (a slot power cycle, a bus
+  rescan): a fresh driver instance at stock settings with the next free cardN/hwmonN.
 - `suspend(bdf)` / `resume(bdf)`: runtime suspend (see amdgpu.py access gate).
 - `reset_gpu(bdf, steps=0)`: stock OD values and default power cap, silently; PM files
   answer EPERM/EBUSY for `steps` steps while the reset is in progress.
@@ -38,20 +42,6 @@ class FaultInjection:
             self.kernel_log.add(KERN_ERR, f"amdgpu {g.bdf}: amdgpu: device lost from bus!", g.bdf)
             if steps_before_removal <= 0:
                 self._remove(g)
-
-    def return_gpu(self, bdf: str) -> None:
-        """A lost GPU comes back (what a cold power-cycle does on real hardware): stock
-        settings, a new cardN/hwmonN, the driver's init line in the kernel log."""
-        with self.lock:
-            g = self.gpu(bdf)
-            if g.faults.lost_stage == 0 and g.present:
-                return
-            g.faults.lost_stage = 0
-            g.faults.lost_errno = errno.EIO
-            g.faults.removal_in = 0
-            g.present = False
-            self._appear(g)
-            self._rebuild()
 
     def _remove(self, g) -> None:
         g.faults.lost_stage = 2
@@ -130,22 +120,48 @@ class FaultInjection:
             self.gpu(bdf).faults.blocked[file.rsplit("/", 1)[-1]] = ev
             return ev
 
+    def block_writes(self, bdf: str, file: str) -> threading.Event:
+        """Writes to `file` hang until the returned event is set (or unblock())."""
+        with self.lock:
+            ev = threading.Event()
+            self.gpu(bdf).faults.blocked_writes[file.rsplit("/", 1)[-1]] = ev
+            return ev
+
     def unblock(self, bdf: str, file: str | None = None) -> None:
         with self.lock:
-            blocked = self.gpu(bdf).faults.blocked
-            names = list(blocked) if file is None else [file.rsplit("/", 1)[-1]]
-            for n in names:
-                ev = blocked.pop(n, None)
-                if ev:
-                    ev.set()
+            f = self.gpu(bdf).faults
+            for blocked in (f.blocked, f.blocked_writes):
+                names = list(blocked) if file is None else [file.rsplit("/", 1)[-1]]
+                for n in names:
+                    ev = blocked.pop(n, None)
+                    if ev:
+                        ev.set()
+
+    def return_gpu(self, bdf: str) -> None:
+        """A GPU lost from the bus (or taken off by add_late_gpu) is back, at stock settings, as
+        after a cold power-cycle: a new cardN/hwmonN, the driver's init line in the kernel log."""
+        with self.lock:
+            g = self.gpu(bdf)
+            if g.present and g.faults.lost_stage == 0:
+                return
+            g.faults.lost_stage = 0
+            g.faults.removal_in = 1
+            g.present = False
+            g.od.reset()
+            g.power_cap_w = g.enforced_cap_w = g.model.power_default_w
+            g.perf_level = "auto"
+            g.dpm_masks.clear()
+            self._appear(g)
+            self._rebuild()
 
     def release_all(self) -> None:
         """Release every blocked read (used on unmount/shutdown)."""
         with self.lock:
             for g in self._gpus.values():
-                for ev in g.faults.blocked.values():
+                for ev in (*g.faults.blocked.values(), *g.faults.blocked_writes.values()):
                     ev.set()
                 g.faults.blocked.clear()
+                g.faults.blocked_writes.clear()
 
     def suspend(self, bdf: str, resume_error: int | None = None) -> bool:
         """Runtime-suspend the GPU (only possible while power/control is `auto`)."""

@@ -371,6 +371,12 @@ class SimHost(FaultInjection):
             data = data.encode()
         with self.lock:
             _, node = self._lookup(path)
+            g = node.gpu
+            blocker = g.faults.blocked_writes.get(node.name) if g and node.kind == "file" else None
+        if blocker is not None:
+            blocker.wait()               # released by unblock()/release_all()
+        with self.lock:
+            _, node = self._lookup(path)
             if node.kind == "dir":
                 raise oserror(errno.EISDIR, path)
             fd = node.filedef

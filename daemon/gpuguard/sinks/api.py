@@ -69,6 +69,10 @@ def status_document(hub: Hub) -> dict[str, Any]:
         "last_poll": dict(hub.last_poll),
         "gpus": gpus,
         "summary": summary_line(hub),
+        # per GPU: identity, presence (present/not_answering/lost and by which route),
+        # profile state; and the configured cards that are missing
+        "gpu_states": [st.to_dict() for st in hub.gpus.all()],
+        "missing": [{"gpu": m.name, "match": m.match, "why": m.why} for m in hub.gpus.missing()],
         # per GPU: the profile, whether it read back equal, and the effective-clock
         # findings ("profile applied but card runs at 1233 MHz", INCIDENTS §3)
         "profiles": jsonable(hub.view("profiles") or {}),
@@ -79,11 +83,12 @@ def summary_line(hub: Hub) -> str:
     snap = hub.snapshot
     if snap is None:
         return "starting: no poll yet"
-    up = sum(1 for g in snap.gpus if g.up)
-    down = [g.name for g in snap.gpus if not g.up]
-    line = f"{up}/{len(snap.gpus)} GPUs up"
-    if down:
-        line += f"; down: {', '.join(down)}"
+    if hub.gpus.observed:
+        # configured vs present, missing cards named (state/gpus.py; INCIDENTS §2)
+        line = hub.gpus.summary()
+    else:  # a snapshot published without discovery (a test's hand-made hub)
+        down = [g.name for g in snap.gpus if not g.up]
+        line = f"{sum(1 for g in snap.gpus if g.up)}/{len(snap.gpus)} GPUs up" + (f"; down: {', '.join(down)}" if down else "")
     notes = [n for _, n in sorted(hub.notes.items()) if n]
     return "; ".join([line] + notes)
 
@@ -367,7 +372,7 @@ def build_app(
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
         last = hub.last_poll.get("gpu")
-        return {"ok": last is not None, "last_poll": last}
+        return {"ok": hub.poll_fresh(), "last_poll": last}
 
     @app.get("/v1/status", dependencies=read)
     def get_status() -> dict[str, Any]:

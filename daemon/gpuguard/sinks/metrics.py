@@ -52,9 +52,15 @@ class HubCollector(Collector):
             last.add_metric([source], t)
         yield last
         kev = CounterMetricFamily("gpuguard_kernel_events", "Classified kernel log lines", labels=["gpu", "kind"])
-        for (gpu, kind), n in sorted(self.hub.counters.kernel_events.items()):
-            kev.add_metric([gpu or "", kind], n)
+        # GPU-less lines (OOM kill, hung task) count under gpu="host" (state/gpus.py)
+        for (gpu, kind), n in sorted(self.hub.gpus.kernel_counts.items()):
+            kev.add_metric([gpu, kind], n)
         yield kev
+        missing = _g("gpuguard_gpu_configured_missing", "1 = a configured GPU has no identified present card",
+                     ["gpu", "match"])
+        for m in self.hub.gpus.missing():
+            missing.add_metric([m.name, m.match], 1)
+        yield missing
         for produce in self.producers:
             yield from produce()
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 from prometheus_client import Histogram
 
 from gpuguard.state.events import Event
+from gpuguard.state.gpus import GpuStates
 from gpuguard.state.snapshot import GpuSnapshot
 
 
@@ -36,7 +37,7 @@ class Counters:
     """Monotonic counters the metrics sink exports (`*_total`)."""
 
     poll_errors: collections.Counter = field(default_factory=collections.Counter)  # (gpu, source)
-    kernel_events: collections.Counter = field(default_factory=collections.Counter)  # (gpu, kind)
+    # kernel event counters live with the GPU state (hub.gpus.kernel_counts)
     # Unregistered: the metrics sink collects it from here, so tests get a fresh one per hub.
     poll_duration: Histogram = field(
         default_factory=lambda: Histogram(
@@ -59,18 +60,30 @@ class Hub:
         # keyed by source name; each value is immutable.
         self._views: dict[str, Any] = {}
         self._subscribers: list[Callable[[Event], None]] = []
-        # GPUs (bdf) the kernel or udev declared lost: nothing writes to them until they
-        # reappear (DESIGN safety rule).
-        self.lost: set[str] = set()
+        # The one owner of every GPU's identity and lifecycle (lost, back, profile state).
+        self.gpus = GpuStates(self.publish)
         # One short note per source for the one-line summary (systemd STATUS=, /v1/status):
         # "profile unverified: xtx-0 (mismatch)", "engine stalled: sglang". Empty = nothing.
         self.notes: dict[str, str] = {}
         self._queues: list[asyncio.Queue] = []
+        # /healthz: a poll cycle must have finished within this (interval + timeout + 1 s);
+        # None: any finished cycle will do
+        self.poll_budget_seconds: float | None = None
 
     # -- snapshots -------------------------------------------------------------------
     def publish_snapshot(self, snap: HostSnapshot, source: str = "gpu") -> None:
         self.snapshot = snap
         self.last_poll[source] = snap.time
+
+    def poll_fresh(self, now: float | None = None) -> bool:
+        """True when the GPU poll loop finished a cycle recently enough (issue 11: /healthz
+        said ok while nothing had been polled for 40 s)."""
+        last = self.last_poll.get("gpu")
+        if last is None:
+            return False
+        if self.poll_budget_seconds is None:
+            return True
+        return (now if now is not None else time.time()) - last <= self.poll_budget_seconds
 
     def set_view(self, source: str, value: Any) -> None:
         self._views[source] = value
@@ -82,15 +95,6 @@ class Hub:
     @property
     def views(self) -> Mapping[str, Any]:
         return MappingProxyType(self._views)
-
-    def mark_lost(self, bdf: str) -> None:
-        self.lost.add(bdf)
-
-    def clear_lost(self, bdf: str) -> None:
-        self.lost.discard(bdf)
-
-    def is_lost(self, bdf: str) -> bool:
-        return bdf in self.lost
 
     # -- events ----------------------------------------------------------------------
     def publish(self, event: Event) -> None:

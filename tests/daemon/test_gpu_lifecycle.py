@@ -1,0 +1,150 @@
+"""Issue 11 on the FUSE-mounted simulated incident host (real errno, real processes): a
+GPU's lifecycle has one owner. Identity fails closed with a card missing (`apply` names
+it and exits 1; nothing is planned onto the wrong card); a GPU that leaves the bus and
+comes back (same address, or absent at boot and appearing) goes DOWN and UP again with
+its profile re-applied; a GPU lost through the poller kills the engine on it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engines.engines_harness import SimEngine, alive
+from gpuguard.profiles.audit import read_audit
+
+R9700 = ("0000:05:00.0", "0000:08:00.0")
+XTX = ("0000:aa:00.0", "0000:b0:00.0")
+BY_INDEX = """
+poll: {interval_seconds: 0.2, discover_seconds: 0.5}
+kernel: {enabled: false}
+profiles:
+  psu-safe: {power_cap_w: 210, sclk_offset_mhz: -500, vddgfx_offset_mv: -100}
+  xtx-1500: {sclk_max_mhz: 1500}
+  xtx-2000: {sclk_max_mhz: 2000}
+apply: {backoff_seconds: 0.05}
+gpus:
+  - {name: r9700-a, match: {bdf: "0000:05:00.0"}, profile: psu-safe}
+  - {name: r9700-b, match: {bdf: "0000:08:00.0"}, profile: psu-safe}
+  - {name: xtx-0, match: {pci_id: "1002:744c", index: 0}, profile: xtx-1500}
+  - {name: xtx-1, match: {pci_id: "1002:744c", index: 1}, profile: xtx-2000}
+"""
+
+
+def apply_cli(tmp_path, mount, *args):
+    cfg = tmp_path / "apply.yaml"
+    cfg.write_text(BY_INDEX + f"state_dir: {tmp_path / 'state'}\n")
+    return subprocess.run([sys.executable, "-m", "gpuguard", "apply", "--config", str(cfg), "--sysfs-root", str(mount),
+                           *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("gone", XTX)
+def test_apply_with_either_xtx_missing_plans_nothing_for_the_other_names_both_and_exits_1(sim, tmp_path, gone):
+    sim.ctl("add_late_gpu", bdf=gone)  # not enumerated (yet)
+    other = next(b for b in XTX if b != gone)
+    r = apply_cli(tmp_path, sim.mount, "--dry-run")
+    assert r.returncode == 1, r.stdout + r.stderr
+    # the bug: `xtx-0 (0000:b0:00.0) profile xtx-1500` — xtx-0's profile on the second card
+    assert other not in r.stdout, r.stdout
+    assert "xtx-1500" not in r.stdout and "xtx-2000" not in r.stdout
+    for m in ("xtx-0 (1002:744c #0)", "xtx-1 (1002:744c #1)"):
+        assert f"configured GPU {m} is missing" in r.stderr
+        assert f"{m}: MISSING" in r.stdout
+    assert "1 of 2 cards with id 1002:744c present" in r.stderr
+    # the cards matched by address are still planned
+    assert "r9700-a (0000:05:00.0) profile psu-safe: dry run" in r.stdout
+    js = json.loads(apply_cli(tmp_path, sim.mount, "--dry-run", "--json").stdout)
+    assert {m["gpu"] for m in js["missing"]} == {"xtx-0", "xtx-1"}
+    # `status` shows configured vs present too, and exits 1
+    st = subprocess.run([sys.executable, "-m", "gpuguard", "status", "--config", str(tmp_path / "apply.yaml"),
+                         "--sysfs-root", str(sim.mount)], capture_output=True, text=True, timeout=120)
+    assert st.returncode == 1
+    assert st.stdout.splitlines()[0] == "3/4 GPUs up; missing xtx-0 (1002:744c #0), xtx-1 (1002:744c #1)"
+    assert f"card{other}" in st.stdout and "MISSING xtx-0 (1002:744c #0)" in st.stdout
+
+
+def test_apply_with_an_address_matched_card_missing_exits_1_naming_it(sim, tmp_path):
+    sim.ctl("add_late_gpu", bdf=R9700[1])
+    r = apply_cli(tmp_path, sim.mount)
+    assert r.returncode == 1
+    assert "configured GPU r9700-b (0000:08:00.0) is missing" in r.stderr
+    assert "r9700-a (0000:05:00.0) profile psu-safe: VERIFIED" in r.stdout  # the others are applied
+    assert "xtx-0 (0000:aa:00.0) profile xtx-1500: VERIFIED" in r.stdout
+    sim.ctl("appear", bdf=R9700[1])
+    assert apply_cli(tmp_path, sim.mount).returncode == 0
+
+
+def verified(tmp_path, gpu):
+    return [r for r in read_audit(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified" and r["gpu"] == gpu]
+
+
+def status(d) -> dict:
+    import httpx
+
+    return httpx.get(f"{d.base}/v1/status", timeout=2).json()
+
+
+@pytest.mark.parametrize("how", ["lost_and_returned", "removed_and_appeared"])
+def test_a_gpu_that_leaves_the_bus_and_comes_back_goes_down_then_up_with_its_profile(sim, start_daemon, wait_for, tmp_path, how):
+    d = start_daemon(sim.mount, BY_INDEX)
+    wait_for(lambda: verified(tmp_path, "xtx-0"), timeout=30, what="xtx-0 verified at start")
+    if how == "lost_and_returned":
+        sim.ctl("lose_gpu", bdf=XTX[0])  # EIO first, then the board leaves the bus
+        sim.ctl("step", dt=0.5)
+    else:
+        sim.ctl("add_late_gpu", bdf=XTX[0])  # the device folder vanishes
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-0") == 0.0, timeout=20, what="xtx-0 down")
+    st = wait_for(lambda: (s := status(d)) and "missing xtx-0" in s["summary"] and s, timeout=20, what="missing in summary")
+    assert st["summary"].startswith("3/4 GPUs up"), st["summary"]
+    # the other XTX keeps its name: it was identified while both were present
+    assert d.value("gpuguard_gpu_up", gpu="xtx-1") == 1.0
+    n = len(verified(tmp_path, "xtx-0"))
+    if how == "lost_and_returned":
+        sim.ctl("return_gpu", bdf=XTX[0])
+    else:
+        sim.ctl("appear", bdf=XTX[0])
+    # the bug: "gone from the PCI bus" for ever, while the card read fine
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-0") == 1.0, timeout=20, what="xtx-0 up again")
+    again = wait_for(lambda: verified(tmp_path, "xtx-0")[n:], timeout=30, what="xtx-0 re-applied and verified")
+    assert "back" in again[0]["why"] or "appeared" in again[0]["why"]
+    assert wait_for(lambda: status(d)["summary"] == "4/4 GPUs up", timeout=10, what="4/4 in the summary")
+    od = sim.ctl("read", path=f"/sys/bus/pci/devices/{XTX[0]}/pp_od_clk_voltage")
+    assert "1500Mhz" in od.split("OD_SCLK:")[1].split("OD_MCLK")[0], od
+    kinds = [e["kind"] for e in __import__("httpx").get(f"{d.base}/v1/events").json()]
+    assert kinds.count("gpu_lost") == 1 and "gpu_back" in kinds
+    assert "Traceback" not in d.log.read_text()
+
+
+def engine_yaml(name: str, e: SimEngine, gpu: str) -> str:
+    return (f"engines:\n  - {{name: {name}, kind: {e.kind}, url: \"{e.url}\", process: {{pid_file: null, cmdline: "
+            f"'gpuguard.sim.engines --kind {e.kind} --port {e.port}'}}, gpus: [{gpu}], stall_after: 30, "
+            "poll_interval: 0.25, http_timeout: 0.5, grace: 1, action: kill}\n")
+
+
+@pytest.mark.parametrize("route", ["bus", "not_answering"])
+def test_a_gpu_lost_through_the_poller_kills_the_engine_on_it(sim, start_daemon, wait_for, route):
+    e = SimEngine("vllm")
+    other = SimEngine("llamacpp")
+    try:
+        cfg = BY_INDEX + engine_yaml("on-xtx0", e, "xtx-0") + engine_yaml("on-r9700", other, "r9700-a")[len("engines:\n"):]
+        if route == "not_answering":
+            cfg = cfg.replace("discover_seconds: 0.5}", "discover_seconds: 0.5, lost_after_seconds: 1.5}")
+        d = start_daemon(sim.mount, cfg)
+        tree, spared = e.tree(), other.tree()
+        wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-0") == 1.0, what="xtx-0 up")
+        if route == "bus":
+            sim.ctl("lose_gpu", bdf=XTX[0])
+            sim.ctl("step", dt=0.5)  # the board leaves the bus
+        else:
+            # reads fail with EIO and the card stays on the bus: lost after lost_after_seconds
+            sim.ctl("lose_gpu", bdf=XTX[0], steps_before_removal=10**6)
+        # the bug: the event said "recovery is kill the engines", the engine kept its PID
+        wait_for(lambda: not any(alive(p) for p in tree), timeout=20, what="the engine on xtx-0 killed")
+        assert all(alive(p) for p in spared)  # the engine on another GPU is left alone
+        events = __import__("httpx").get(f"{d.base}/v1/events").json()
+        lost = [x for x in events if x["kind"] == "gpu_lost"]
+        assert len(lost) == 1 and lost[0]["fields"]["route"] == route and lost[0]["gpu"] == "xtx-0"
+    finally:
+        e.stop()
+        other.stop()
