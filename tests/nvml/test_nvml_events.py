@@ -24,6 +24,17 @@ from gpuguard.kernel.rules import Rules
 
 CAPTURE = Path(__file__).resolve().parent.parent / "fixtures" / "h200" / "nvml-capture.json"
 BDF = "0000:00:06.0"  # the H200's address in the capture
+
+
+def h200_states():
+    """The GPU state owner with the H200 discovered: loss and counters are kept there."""
+    from types import SimpleNamespace
+
+    from gpuguard.state.gpus import GpuStates
+
+    s = GpuStates()
+    s.observe([SimpleNamespace(bdf=BDF, vendor="10de", device_id="2335", model="H200")])
+    return s
 _seq = iter(range(1, 10**9))
 
 
@@ -121,7 +132,7 @@ def _run(tl: NvmlTimeline, router: KernelEventRouter, until) -> None:
 
 def test_nvml_xid_79_marks_the_gpu_lost_through_the_kernel_policy(rules):
     hooks = Hooks()
-    router = KernelEventRouter(rules, {BDF: "h200"}.get, hooks)
+    router = KernelEventRouter(rules, {BDF: "h200"}.get, hooks, states=h200_states())
     _run(with_xid(79), router, lambda: router.is_lost(BDF))
     assert router.is_lost(BDF)
     assert ("lost", BDF) in hooks.calls and ("fatal", BDF, "device_lost") in hooks.calls
@@ -132,7 +143,7 @@ def test_nvml_xid_79_marks_the_gpu_lost_through_the_kernel_policy(rules):
 
 def test_one_xid_from_both_sources_counts_once(rules):
     hooks = Hooks()
-    router = KernelEventRouter(rules, {BDF: "h200"}.get, hooks)
+    router = KernelEventRouter(rules, {BDF: "h200"}.get, hooks, states=h200_states())
     # NVML first, then the kernel's own lines for the same loss
     _run(with_xid(79), router, lambda: router.is_lost(BDF))
     assert router.handle_record(kernel("NVRM: Xid (PCI:0000:00:06): 79, pid=0, GPU has fallen off the bus.")) is None
@@ -142,7 +153,7 @@ def test_one_xid_from_both_sources_counts_once(rules):
     assert hooks.calls.count(("lost", BDF)) == 1
 
     # the other order: kernel first, NVML's report of the same Xid is dropped
-    router2 = KernelEventRouter(rules, {BDF: "h200"}.get, Hooks())
+    router2 = KernelEventRouter(rules, {BDF: "h200"}.get, Hooks(), states=h200_states())
     assert router2.handle_record(kernel("NVRM: Xid (PCI:0000:00:06): 13, pid=1, Graphics Exception")) is not None
     tl = with_xid(13, after_clock_events=0)
     _run(tl, router2, lambda: tl._event_pos >= 1)  # the Xid was taken (and dropped)

@@ -27,7 +27,7 @@ def fake_poller(sim_root):
     root = sim_root(host)
     src = AmdgpuSource(root)
     devs = {b: (src, SimpleNamespace(bdf=b, hwmon_path=host.hwmon_path(b))) for b in (A, B)}
-    return SimpleNamespace(devices=devs, names={A: "a", B: "b"}, lost=set())
+    return SimpleNamespace(devices=devs, names={A: "a", B: "b"})
 
 
 def test_lost_and_suspended_gpus_get_no_sampler_and_the_set_is_cached(sim_root):
@@ -36,9 +36,11 @@ def test_lost_and_suspended_gpus_get_no_sampler_and_the_set_is_cached(sim_root):
     first = channels()
     assert [c.gpu for c in first] == ["a", "b"] and all(c.source == "power1_average" for c in first)
     assert channels() is first                       # nothing changed: not rebuilt
-    poller.lost.add(A)
+    ids = [SimpleNamespace(bdf=b, vendor="1002", device_id="7551") for b in (A, B)]
+    hub.gpus.observe(ids)
+    assert hub.gpus.mark_lost(A, "kernel:gpu_hang")   # lost by any route: the state owner says so
     assert [c.gpu for c in channels()] == ["b"]
-    poller.lost.clear()
+    assert hub.gpus.back(A, "reset")
     hub.publish_snapshot(snapshot(B))
     assert [c.gpu for c in channels()] == ["a"]      # asleep: reading would wake it
     hub.publish_snapshot(snapshot())
