@@ -151,14 +151,33 @@ def test_expected_link_by_pci_id_and_index(incident, tmp_path):
     cfg.write_text(
         "gpus:\n"
         "  - name: xtx-1\n    match: {pci_id: '1002:744C', index: 1}\n    expect_link: {gen: 4, width: 16}\n"
+    )
+    root = SysfsRoot(str(incident.base))
+    rep = walk(root, {b: True for b in XTX})
+    expected = expected_from_config(load_config(cfg).gpus, rep)
+    assert set(expected) == {XTX[1]}  # index 1 = the second by address, both cards present
+    fs = diagnose(root, rep, expected)
+    assert pick(fs, "expect_link", XTX[1])[0].level == "FAIL"
+    ev = [e for e in events(fs) if e.kind == "pcie_expect_link"]
+    assert [e.bdf for e in ev] == [XTX[1]]
+
+
+def test_expected_link_by_index_fails_closed_when_the_group_is_incomplete(incident, tmp_path):
+    """Index 9 configured means ten cards of that id; with two present an index names
+    nothing (the daemon's identity rule, issue 11): both entries are reported not found,
+    never checked against the wrong card."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(
+        "gpus:\n"
+        "  - name: xtx-1\n    match: {pci_id: '1002:744C', index: 1}\n    expect_link: {gen: 4, width: 16}\n"
         "  - name: xtx-9\n    match: {pci_id: '1002:744c', index: 9}\n    expect_link: {width: 16}\n"
     )
     root = SysfsRoot(str(incident.base))
     rep = walk(root, {b: True for b in XTX})
     expected = expected_from_config(load_config(cfg).gpus, rep)
-    assert set(expected) == {XTX[1], "1002:744c #9"}  # by address order; #9 does not exist
+    assert set(expected) == {"1002:744c #1", "1002:744c #9"}
     fs = diagnose(root, rep, expected)
-    assert pick(fs, "expect_link", XTX[1])[0].level == "FAIL"
-    assert pick(fs, "expect_link", "1002:744c #9")[0].what.startswith("configured GPU not found")
+    for label in expected:
+        assert pick(fs, "expect_link", label)[0].what.startswith("configured GPU not found")
     ev = [e for e in events(fs) if e.kind == "pcie_expect_link"]
-    assert {e.bdf for e in ev} == {XTX[1], None}  # a label is not a PCI address
+    assert [e.bdf for e in ev] == [None, None]  # a label is not a PCI address
