@@ -39,10 +39,11 @@ from gpuguard.sinks.recorder import FlightRecorder
 # -- service layer (issue 6): auth, audit, webhooks, sd_notify --
 from gpuguard.sinks.actions import Actions
 from gpuguard.sinks.audit import AuditLog
-from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore
+from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore, exposure_warnings
 from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.systemd import SystemdNotify
 from gpuguard.state.hub import Hub
+from gpuguard.state.state_dir import StateDir, StateDirLocked, report_to
 
 log = logging.getLogger("gpuguard")
 
@@ -88,6 +89,9 @@ class Daemon:
         # -- service layer (issue 6). Tokens are loaded in run(): a bad token file must end
         # the start with a one-line error, not a traceback from the constructor.
         self.audit = AuditLog.in_state_dir(config.state_dir)
+        # issue 12: one daemon per state folder; an unusable one refuses applies, never crashes
+        self.state_dir = StateDir(config.state_dir)
+        self.audit.health = self.state_dir
         self.actions = Actions()  # other parts register providers here (sinks/actions.py)
         self.actions.provide(pcie=self.pcie_document)
         self.webhooks = WebhookNotifier(self.hub, config.webhooks)
@@ -101,6 +105,7 @@ class Daemon:
             max_body_bytes=config.api.max_body_bytes,
             config_view=self.config_view,
         )
+        self.app.state.state_health = lambda: self.state_dir.health
         self.unix_server: _Server | None = None
         self.notify = SystemdNotify()
         self.stop_event = asyncio.Event()
@@ -333,6 +338,15 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             try:
+                self.state_dir.acquire()
+            except StateDirLocked as e:
+                raise RuntimeError(str(e)) from None
+            report_to(self.state_dir, self.hub)
+            self.poller.on_cycle.append(lambda snap: None if self.state_dir.health.usable else self.state_dir.probe())
+            for warning in exposure_warnings(self.config.listen.address, self.config.api.open_reads,
+                                             self.config.api.token_file):
+                log.warning("%s", warning)
+            try:
                 self.app.state.tokens = TokenStore.load(self.config.api.token_file)
             except TokenFileError as e:
                 raise RuntimeError(str(e)) from None
@@ -389,3 +403,4 @@ class Daemon:
                 self.recorder.close()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            self.state_dir.release()

@@ -25,6 +25,7 @@ from gpuguard.profiles.ledger import ProfileLedger
 from gpuguard.profiles.safemode import SafeModeGuard
 from gpuguard.profiles.schema import Profile, ProfilesConfig
 from gpuguard.profiles.wait import wait_for_gpus
+from gpuguard.sinks.audit import AuditUnavailable
 from gpuguard.state.events import Event
 from gpuguard.state.identity import missing_names
 
@@ -39,6 +40,7 @@ class ProfileRuntime:
         a = self.cfg.apply
         self.ledger = ProfileLedger()
         self.audit = AuditLog(audit_path(self.cfg.state_dir))
+        self.audit._log.health = getattr(daemon, "state_dir", None)  # /healthz, STATUS= (issue 12)
         self.applier = applier or Applier(
             daemon.root, audit=self.audit, kernel_reason=KmsgReasons(daemon.root), retries=a.retries,
             backoff=a.backoff_seconds, is_lost=lambda bdf: bdf in daemon.poller.lost or daemon.hub.is_lost(bdf),
@@ -78,6 +80,13 @@ class ProfileRuntime:
         try:
             async with self._lock:  # one card at a time
                 loop = asyncio.get_running_loop()
+                try:  # no audit record, no write (issue 12)
+                    await loop.run_in_executor(None, self.audit.before, gpu, pname, who, why)
+                except AuditUnavailable as e:
+                    log.error("profile %s not applied to %s: %s", pname, gpu, e)
+                    self._publish(Event("audit_unavailable", "alert", "profiles",
+                                        f"profile {pname} not applied to {gpu}: {e}", gpu=gpu, bdf=bdf))
+                    return None
                 r = await loop.run_in_executor(None, self.applier.apply, CardTarget(gpu, bdf), pname, profile, who, why)
         finally:
             self.busy.discard(gpu)
