@@ -127,15 +127,49 @@ def _body_doc(model: type[BaseModel], required: bool) -> dict[str, Any]:
     return {"requestBody": {"required": required, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
+MAX_BODY_DEPTH = 16  # the bodies are flat objects; deep nesting is only an attack
+
+
+def json_depth(raw: bytes, limit: int) -> int:
+    """Deepest [/{ nesting of a JSON text (strings skipped), counted before parsing so a
+    deep body never reaches the recursive parser (issue 12: it answered 500). Stops
+    counting past `limit`."""
+    depth = deepest = 0
+    in_str = esc = False
+    for b in raw:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:  # backslash
+                esc = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    return deepest
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
 async def parse_body(request: Request, model: type[_Body]) -> _Body:
     """Parse after auth (FastAPI's own body handling would answer 422 before 401). An
-    empty body is `{}`; errors are 422 with the field's location."""
+    empty body is `{}`; errors are 422 with the field's location. Size is bounded by
+    BodyLimit (413) before this runs; depth here (422), before json.loads."""
     raw = await request.body()
     data: Any = {}
     if raw.strip():
+        if json_depth(raw, MAX_BODY_DEPTH) > MAX_BODY_DEPTH:
+            raise HTTPException(422, detail=[{"loc": ["body"], "msg": f"nested deeper than {MAX_BODY_DEPTH} levels",
+                                              "type": "json_too_deep"}])
         try:
             data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise HTTPException(422, detail=[{"loc": ["body"], "msg": f"not valid JSON: {e}", "type": "json_invalid"}])
     if not isinstance(data, dict):
         raise HTTPException(422, detail=[{"loc": ["body"], "msg": "must be a JSON object", "type": "model_type"}])
