@@ -172,6 +172,10 @@ class Daemon:
         try:
             reader = KmsgReader(kc.kmsg_path, state_file, kc.allow_userspace, batch=kc.batch)
             reader.open()
+            # issue 12: the position is on disk before an alert about a line leaves
+            self.webhooks.before_send.append(
+                lambda e: reader.commit(e.fields["seq"]) if e.source == "kernel" and "seq" in e.fields else None
+            )
             self.tasks.append(asyncio.create_task(self.kernel_router.run_kmsg(reader), name="kmsg"))
         except (OSError, KmsgError) as e:
             log.error("kernel log not watched: cannot read %s: %s (needs root or CAP_SYSLOG)", kc.kmsg_path, e)
