@@ -118,13 +118,15 @@ class Daemon:
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:
-                self.recorder = FlightRecorder(config.recorder.path, config.recorder.keep_seconds)
+                self.recorder = FlightRecorder(config.recorder.path, config.recorder.keep_seconds,
+                                               config.recorder.max_bytes)
             except (OSError, sqlite3.Error) as e:
                 log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
         if self.recorder is not None:
             rec = self.recorder
             self.poller.on_cycle.append(lambda snap: rec.record(snap))
-            self.hub.on_event(lambda e: rec.record(events=[e]))
+            self.hub.on_event(rec.add_event)  # written with the next cycle's samples (issue 12)
+            self.metrics.add_producer(rec.collect)
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
         if config.engines:
