@@ -10,7 +10,22 @@ import sys
 
 from gpuguard.cli.pcie import add_source_args, load
 from gpuguard.hw.pcie_capture import CaptureError
-from gpuguard.policy.doctor import ConfigError, diagnose, exit_status, load_expected_links, resolve_expected
+from gpuguard.policy.doctor import ConfigError, Finding, diagnose, exit_status, load_expected_links, resolve_expected
+
+
+def exposure_findings(path: str) -> list[Finding]:
+    """WARN for what the config leaves reachable from the network without a token
+    (issue 12 item 9). Raises ConfigError for a file `run` would refuse."""
+    from gpuguard.config import ConfigError as FileError, load_config
+    from gpuguard.sinks.auth import exposure_warnings
+
+    try:
+        cfg = load_config(path)
+    except FileError as e:
+        raise ConfigError(e.render()) from None
+    where = f"{cfg.listen.address}:{cfg.listen.port}"
+    return [Finding("WARN", "api", w, where, "set api.token_file and api.open_reads: false, or listen on 127.0.0.1")
+            for w in exposure_warnings(cfg.listen.address, cfg.api.open_reads, cfg.api.token_file)]
 
 
 def register(subparsers) -> None:
@@ -22,6 +37,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     try:
+        exposure = exposure_findings(args.config) if args.config else []
         rules = load_expected_links(args.config) if args.config else []
     except ConfigError as e:
         print(f"gpuguard doctor: {e}", file=sys.stderr)
@@ -32,7 +48,7 @@ def run(args) -> int:
         print(f"gpuguard doctor: {e}", file=sys.stderr)
         return 2
     try:
-        findings = diagnose(src.root, report, resolve_expected(rules, report), lines)
+        findings = diagnose(src.root, report, resolve_expected(rules, report), lines) + exposure
     finally:
         src.close()
     status = exit_status(findings)
