@@ -112,7 +112,8 @@ def test_second_daemon_is_refused_even_when_the_first_was_killed_mid_write(tmp_p
 
 
 @needs_mount
-def test_read_only_state_dir_starts_serves_and_refuses_applies(tmp_path, receiver, make_token_file, tokens, wait):
+def test_read_only_state_dir_starts_serves_and_refuses_applies(tmp_path, receiver, make_token_file, tokens, wait,
+                                                               notify_socket):
     root = sim_root(tmp_path)
     od = od_file(root)
     before = od.read_bytes()
@@ -123,9 +124,11 @@ def test_read_only_state_dir_starts_serves_and_refuses_applies(tmp_path, receive
         cfg.write_text(config_text(state, tmp_path, token_file, receiver.url).replace(
             "match: {bdf: '0000:aa:00.0'}\n", "match: {bdf: '0000:aa:00.0'}\n    profile: quiet\n").replace(
             "power_cap_w: 250", "sclk_max_mhz: 2000"))
-        d = GuardProcess(cfg, root)
+        d = GuardProcess(cfg, root, env={"NOTIFY_SOCKET": notify_socket.path})
         try:
             base = d.find_base(wait)
+            _, ready = wait(lambda: notify_socket.with_line("READY=1"), what="READY=1")[0]
+            assert any(l.startswith("STATUS=") and "STATE DIR UNUSABLE" in l for l in ready.splitlines()), ready
             health = httpx.get(base + "/healthz", timeout=5).json()
             assert health["ok"] is True
             assert health["state_dir"]["usable"] is False and "Read-only" in health["state_dir"]["reason"]
