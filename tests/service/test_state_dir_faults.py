@@ -145,3 +145,21 @@ def test_read_only_state_dir_starts_serves_and_refuses_applies(tmp_path, receive
             rc = d.stop()
         assert rc == 0, d.output()
         assert "Traceback" not in d.output()
+
+
+@needs_mount
+def test_missing_state_dir_that_cannot_be_made_starts_and_says_why(tmp_path, make_token_file, tokens, wait):
+    root = sim_root(tmp_path)
+    with tmpfs(tmp_path / "ro", readonly=True) as ro:
+        cfg = tmp_path / "gpuguard.yaml"
+        cfg.write_text(config_text(ro / "state", tmp_path, make_token_file(tmp_path / "tokens")))
+        d = GuardProcess(cfg, root)
+        try:
+            base = d.find_base(wait)
+            health = httpx.get(base + "/healthz", timeout=5).json()
+            assert health["ok"] is True and health["state_dir"]["usable"] is False
+            assert f"state_dir {ro / 'state'} cannot be made: Read-only file system" == health["state_dir"]["reason"]
+            assert _apply(base, tokens["alice"]).status_code == 503
+        finally:
+            assert d.stop() == 0
+        assert "Traceback" not in d.output()

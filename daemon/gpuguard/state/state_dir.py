@@ -143,7 +143,7 @@ class StateDir:
 
     def _set(self, h: StateHealth) -> None:
         with self._lock:
-            changed = h != self._health
+            changed = h.usable != self._health.usable  # transitions alert; a new reason only updates
             self._health = h
         if changed:
             if h.usable:
@@ -172,8 +172,11 @@ class StateDir:
         self._last_probe = now
         p = os.path.join(self.path, PROBE_FILE)
         try:
-            if not os.path.isdir(self.path):
-                os.makedirs(self.path, mode=0o750, exist_ok=True)
+            os.makedirs(self.path, mode=0o750, exist_ok=True)
+        except OSError as e:
+            self._set(StateHealth(False, f"state_dir {self.path} cannot be made: {e.strerror}"))
+            return self._health
+        try:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 os.write(fd, b"x" * 512)
