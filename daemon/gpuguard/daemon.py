@@ -347,7 +347,6 @@ class Daemon:
                 self.state_dir.acquire()
             except StateDirLocked as e:
                 raise RuntimeError(str(e)) from None
-            report_to(self.state_dir, self.hub)
             self.poller.on_cycle.append(lambda snap: None if self.state_dir.health.usable else self.state_dir.probe())
             for warning in exposure_warnings(self.config.listen.address, self.config.api.open_reads,
                                              self.config.api.token_file):
@@ -359,6 +358,7 @@ class Daemon:
             if self.config.api.token_file is None:
                 log.warning("api: no api.token_file configured; every mutating API call will be refused")
             await self.webhooks.start()
+            report_to(self.state_dir, self.hub)  # after the notifier started: the alert must go out
             self.notify.check_interval(self.config.poll.interval_seconds + self.config.poll.timeout_seconds)
             await self.poller.poll_once()  # discovery + a first snapshot before READY
             self.start_kernel_sources()
