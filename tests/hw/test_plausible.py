@@ -68,3 +68,21 @@ def test_daemon_neither_exports_nor_records_the_implausible_value(tmp_path, wait
         assert all(e is None for e, _ in rows) and all(j is not None for _, j in rows), rows[:3]
     finally:
         assert d.stop() == 0
+
+
+def test_screen_drops_implausible_values_of_any_source():
+    """NVML has no file to name: the poller screens every snapshot with the same bounds."""
+    import time
+
+    from gpuguard.state.snapshot import GpuSnapshot
+
+    s = GpuSnapshot(name="h200", bdf="0000:00:06.0", vendor="10de", device_id="2335", driver="nvidia", model="H200",
+                    card=None, up=True, time=time.time(), power_watts=-5.0, power_cap_watts=700.0,
+                    temperatures={"gpu": 1e23, "mem": 40.0}, clocks_hz={"sclk": 1.98e9}, fan_rpm=None)
+    out = plausible.screen(s)
+    assert out.power_watts is None and out.power_cap_watts == 700.0
+    assert dict(out.temperatures) == {"mem": 40.0} and dict(out.clocks_hz) == {"sclk": 1.98e9}
+    assert "implausible temperature 1e+23" in out.errors["temperature_gpu"] and "0000:00:06.0" in out.errors["temperature_gpu"]
+    assert "implausible power -5.0" in out.errors["power_watts"]
+    fine = plausible.screen(out)
+    assert fine is out  # nothing left to drop

@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from gpuguard.hw import plausible
 from gpuguard.state.snapshot import GpuSnapshot
 
 # The calls gpuguard makes, in order. Capture records each; replay answers each.
@@ -130,31 +129,21 @@ class NvmlSource:
                 name=name, bdf=dev.bdf, vendor=dev.vendor, device_id=dev.device_id, driver="nvidia",
                 model=dev.model, card=None, up=False, time=time.time(), errors=errors,
             )
-        def sane(key: str, kind: str, v: float | None) -> float | None:
-            # hw/plausible.py: an implausible reading is unreadable, never a number (issue 12)
-            if v is None:
-                return None
-            try:
-                return plausible.check(kind, v, f"NVML {key} of {dev.bdf}")
-            except ValueError as e:
-                errors[key] = str(e)
-                return None
-
         for key, call, scale in READ_CALLS:
             v = attempt(key, lambda call=call: getattr(n, call)(h))
-            values[key] = None if v is None else sane(key, "power", float(v) * scale)
+            values[key] = None if v is None else float(v) * scale
         # A passively cooled datacenter card (H200) has no fans; NVML then answers the RPM
         # query with InvalidArgument, so ask how many fans there are first.
         fans = attempt("fan_count", lambda: n.nvmlDeviceGetNumFans(h))
         if fans:
             rpm = attempt("fan_rpm", lambda: n.nvmlDeviceGetFanSpeedRPM(h))
-            values["fan_rpm"] = None if rpm is None else sane("fan_rpm", "fan", float(getattr(rpm, "speed", rpm)))
+            values["fan_rpm"] = None if rpm is None else float(getattr(rpm, "speed", rpm))
         cons = attempt("power_cap_limits", lambda: n.nvmlDeviceGetPowerManagementLimitConstraints(h))
         if cons is not None:
             values["power_cap_min_watts"], values["power_cap_max_watts"] = cons[0] / 1000.0, cons[1] / 1000.0
         temps: dict[str, float] = {}
         t = attempt("temperature_gpu", lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU))
-        if t is not None and sane("temperature_gpu", "temperature", float(t)) is not None:
+        if t is not None:
             temps["gpu"] = float(t)
         limits: dict[tuple[str, str], float] = {}
         for level, const in (("crit", "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN"), ("emergency", "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN")):
@@ -164,7 +153,7 @@ class NvmlSource:
         clocks: dict[str, float] = {}
         for domain, const in (("sclk", "NVML_CLOCK_SM"), ("mclk", "NVML_CLOCK_MEM")):
             v = attempt(f"clock_{domain}", lambda const=const: n.nvmlDeviceGetClockInfo(h, getattr(n, const)))
-            if v is not None and sane(f"clock_{domain}", "clock", float(v) * 1e6) is not None:
+            if v is not None:
                 clocks[domain] = float(v) * 1e6
         util = attempt("busy", lambda: n.nvmlDeviceGetUtilizationRates(h))
         mem = attempt("vram", lambda: n.nvmlDeviceGetMemoryInfo(h))
