@@ -163,3 +163,25 @@ def test_missing_state_dir_that_cannot_be_made_starts_and_says_why(tmp_path, mak
         finally:
             assert d.stop() == 0
         assert "Traceback" not in d.output()
+
+
+@needs_mount
+def test_cli_apply_refuses_when_its_audit_record_cannot_be_written(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from service.failsafe_harness import REPO
+
+    root = sim_root(tmp_path)
+    od = od_file(root)
+    before = od.read_bytes()
+    with tmpfs(tmp_path / "state", readonly=True) as state:
+        cfg = tmp_path / "gpuguard.yaml"
+        cfg.write_text(config_text(state, tmp_path, None).replace("power_cap_w: 250", "sclk_max_mhz: 2000"))
+        r = subprocess.run([sys.executable, "-m", "gpuguard", "apply", "--config", str(cfg), "--sysfs-root", str(root),
+                            "--profile", "quiet", "xtx-0"], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=str(REPO / "daemon")))
+    assert r.returncode == 1, r.stderr
+    assert "xtx-0: refused, nothing written: audit record not written" in r.stderr and "Traceback" not in r.stderr
+    assert od.read_bytes() == before

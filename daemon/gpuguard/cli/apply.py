@@ -78,8 +78,21 @@ def cmd_apply(args: argparse.Namespace) -> int:
     names = assign_names(devices, config.gpus)
     by_key = {**{b: b for b in names}, **{n: b for b, n in names.items()}}
     who = f"cli:{os.environ.get('SUDO_USER') or os.environ.get('USER') or os.getuid()}"
-    applier = Applier(root, audit=AuditLog(audit_path(pc.state_dir)),
-                      retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
+    audit = AuditLog(audit_path(pc.state_dir))
+    applier = Applier(root, audit=audit, retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
+
+    def recorded_first(gpu: str, what: str, why: str) -> bool:
+        """No audit record, no write (issue 12): the record of the change goes first."""
+        from gpuguard.sinks.audit import AuditUnavailable
+
+        if args.dry_run:
+            return True
+        try:
+            audit.before(gpu, what, who, why)
+        except AuditUnavailable as e:
+            print(f"gpuguard apply: {gpu}: refused, nothing written: {e} (free space or fix state_dir)", file=sys.stderr)
+            return False
+        return True
 
     def resolve(keys: list[str]) -> list[str] | None:
         out = []
@@ -98,6 +111,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
         if bdfs is None:
             return 2
         for b in bdfs:
+            if not recorded_first(names[b], "stock", f"reset to stock: {args.why}"):
+                return 1
             results.append(applier.reset(CardTarget(names[b], b), who, f"reset to stock: {args.why}", args.dry_run))
     else:
         if args.profile is not None and args.profile not in pc.profiles:
@@ -115,6 +130,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
             if pname is None:
                 print(f"gpuguard apply: {names[b]} has no profile assigned; give --profile", file=sys.stderr)
                 return 2
+            if not recorded_first(names[b], pname, args.why):
+                return 1
             results.append(applier.apply(CardTarget(names[b], b), pname, pc.profiles[pname], who, args.why, args.dry_run))
         if not args.dry_run and all(r.verified for r in results):
             SafeModeGuard(pc.state_dir, root).clear()  # a person applied by hand: leave safe mode
