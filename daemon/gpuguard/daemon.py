@@ -45,11 +45,12 @@ from gpuguard.sinks.reload_marker import ReloadMarker
 # -- service layer (issue 6): auth, audit, webhooks, sd_notify --
 from gpuguard.sinks.actions import Actions
 from gpuguard.sinks.audit import AuditLog
-from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore
+from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore, exposure_warnings
 from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.systemd import SystemdNotify
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
+from gpuguard.state.state_dir import StateDir, StateDirLocked, report_to
 
 log = logging.getLogger("gpuguard")
 
@@ -109,6 +110,9 @@ class Daemon:
         # -- service layer (issue 6). Tokens are loaded in run(): a bad token file must end
         # the start with a one-line error, not a traceback from the constructor.
         self.audit = AuditLog.in_state_dir(config.state_dir)
+        # issue 12: one daemon per state folder; an unusable one refuses applies, never crashes
+        self.state_dir = StateDir(config.state_dir)
+        self.audit.health = self.state_dir
         self.actions = Actions()  # other parts register providers here (sinks/actions.py)
         self.actions.provide(pcie=self.pcie_document)
         self.webhooks = WebhookNotifier(self.hub, config.webhooks)
@@ -124,6 +128,7 @@ class Daemon:
         )
         # issue 16: the web page, its history and on-demand incident reports (same port and rules)
         mount_page(self.app, lambda: self.recorder)
+        self.app.state.state_health = lambda: self.state_dir.health
         self.unix_server: _Server | None = None
         self.notify = SystemdNotify()
         self.reload_marker = ReloadMarker()
@@ -138,13 +143,15 @@ class Daemon:
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:
-                self.recorder = FlightRecorder(config.recorder.path, config.recorder.keep_seconds)
+                self.recorder = FlightRecorder(config.recorder.path, config.recorder.keep_seconds,
+                                               config.recorder.max_bytes)
             except (OSError, sqlite3.Error) as e:
                 log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
         if self.recorder is not None:
             rec = self.recorder
             self.poller.on_cycle.append(lambda snap: rec.record(snap, engines=self.hub.view("engines")))
-            self.hub.on_event(lambda e: rec.record(events=[e]))
+            self.hub.on_event(rec.add_event)  # written with the next cycle's samples (issue 12)
+            self.metrics.add_producer(rec.collect)
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
         if config.engines:
@@ -194,6 +201,10 @@ class Daemon:
             reader = KmsgReader(kc.kmsg_path, state_file, kc.allow_userspace, batch=kc.batch)
             reader.open()
             self.kmsg_reader = reader
+            # issue 12: the position is on disk before an alert about a line leaves
+            self.webhooks.before_send.append(
+                lambda e: reader.commit(e.fields["seq"]) if e.source == "kernel" and "seq" in e.fields else None
+            )
             self.tasks.append(asyncio.create_task(self.kernel_router.run_kmsg(reader), name="kmsg"))
         except (OSError, KmsgError) as e:
             log.error("kernel log not watched: cannot read %s: %s (needs root or CAP_SYSLOG)", kc.kmsg_path, e)
@@ -416,12 +427,21 @@ class Daemon:
         """Everything before READY=1. Runs as a task that SIGTERM abandons (issue 11: the
         daemon went on waiting for GPUs and writing profiles 30 s after SIGTERM)."""
         try:
+            self.state_dir.acquire()  # one daemon per state folder (issue 12)
+        except StateDirLocked as e:
+            raise RuntimeError(str(e)) from None
+        self.poller.on_cycle.append(lambda snap: None if self.state_dir.health.usable else self.state_dir.probe())
+        for warning in exposure_warnings(self.config.listen.address, self.config.api.open_reads,
+                                         self.config.api.token_file):
+            log.warning("%s", warning)
+        try:
             self.app.state.tokens = TokenStore.load(self.config.api.token_file)
         except TokenFileError as e:
             raise RuntimeError(str(e)) from None
         if self.config.api.token_file is None:
             log.warning("api: no api.token_file configured; every mutating API call will be refused")
         await self.webhooks.start()
+        report_to(self.state_dir, self.hub)  # after the notifier started: the alert must go out
         self.notify.check_interval(self.config.poll.interval_seconds + self.config.poll.timeout_seconds)
         await self.poller.poll_once()  # discovery + a first snapshot before READY
         self.start_kernel_sources()
@@ -521,4 +541,5 @@ class Daemon:
             self.profiles.close()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        self.state_dir.release()
         log.info("stopped: in %.1f s", time.monotonic() - t0)

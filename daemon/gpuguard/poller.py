@@ -16,6 +16,8 @@ import time
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from gpuguard.hw.device_calls import DeviceCalls
+from gpuguard.hw import plausible
+from gpuguard.state.events import Event
 from gpuguard.state.hub import HostSnapshot, Hub
 from gpuguard.state.snapshot import GpuSnapshot
 
@@ -134,7 +136,8 @@ class GpuPoller:
                 return _down(dev, name, f"an earlier read is still stuck (> {self.timeout:g} s); device not answering")
             del self._stuck[bdf]
         loop = asyncio.get_running_loop()
-        cf = self._pool.submit(source.read, dev, name)
+        # hw/plausible.py: an implausible value from any source is unreadable, never exported (issue 12)
+        cf = self._pool.submit(lambda: plausible.screen(source.read(dev, name)))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(cf, loop=loop), self.timeout)
         except asyncio.TimeoutError:

@@ -76,7 +76,8 @@ def test_link_downgrade_alert_reaches_the_webhook_within_a_second(tmp_path, rece
         assert r.status_code == 409, r.text
         assert "xtx-0" in r.json()["detail"]
         rec = [json.loads(l) for l in (state / "audit.jsonl").read_text().splitlines()]
-        calls = [(x["what"], x["target"], x["who"], x["why"]) for x in rec if not x["what"].startswith("profile_")]
+        calls = [(x["what"], x["target"], x["who"], x["why"]) for x in rec
+                 if not x["what"].startswith("profile_") and x["result"] != "started"]
         assert calls == [("gpu.reset", "xtx-0", "api:alice", "e2e")]
         writes = [x for x in rec if x["what"] == "profile_write"]
         assert writes and all(x["who"] == "api:alice" and x["target"] == "xtx-0" for x in writes)

@@ -91,6 +91,19 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if nv_applier is not None:  # NVIDIA cards through NVML, same table (issue 18)
         applier = nvml_profile.VendorApplier(applier, nv_applier, nv_devices)
 
+    def recorded_first(gpu: str, what: str, why: str) -> bool:
+        """No audit record, no write (issue 12): the record of the change goes first."""
+        from gpuguard.sinks.audit import AuditUnavailable
+
+        if args.dry_run:
+            return True
+        try:
+            audit.before(gpu, what, who, why)
+        except AuditUnavailable as e:
+            print(f"gpuguard apply: {gpu}: refused, nothing written: {e} (free space or fix state_dir)", file=sys.stderr)
+            return False
+        return True
+
     def resolve(keys: list[str]) -> list[str] | None:
         out = []
         for k in keys:
@@ -112,6 +125,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
         if bdfs is None:
             return 2
         for b in bdfs:
+            if not recorded_first(names[b], "stock", f"reset to stock: {args.why}"):
+                return 1
             results.append(applier.reset(CardTarget(names[b], b), who, f"reset to stock: {args.why}", args.dry_run))
     else:
         if args.profile is not None and args.profile not in pc.profiles:
@@ -130,6 +145,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
             if pname is None:
                 print(f"gpuguard apply: {names[b]} has no profile assigned; give --profile", file=sys.stderr)
                 return 2
+            if not recorded_first(names[b], pname, args.why):
+                return 1
             results.append(applier.apply(CardTarget(names[b], b), pname, pc.profiles[pname], who, args.why, args.dry_run))
         if not args.dry_run and all(r.verified for r in results):
             SafeModeGuard(pc.state_dir, root).clear()  # a person applied by hand: leave safe mode

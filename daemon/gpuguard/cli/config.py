@@ -1,4 +1,7 @@
-"""`gpuguard config check FILE`: validate a config file; each problem names key and line."""
+"""`gpuguard config check FILE`: validate a config file; each problem names key and line.
+It refuses everything `gpuguard run` refuses at start (issue 12: it said OK for a config
+whose api.token_file did not exist): the file itself and the token file (present, a
+regular file, mode 0600/0400, owned by the daemon's user)."""
 from __future__ import annotations
 
 import argparse
@@ -16,11 +19,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from gpuguard.config import ConfigError, load_config
+    from gpuguard.sinks.auth import TokenFileError, TokenStore, exposure_warnings
 
     try:
-        load_config(args.file)
+        config = load_config(args.file)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return 1
+    try:
+        TokenStore.load(config.api.token_file)
+    except TokenFileError as e:
+        print(f"{args.file}: 1 problem(s)\n  {e}", file=sys.stderr)
+        return 1
+    for w in exposure_warnings(config.listen.address, config.api.open_reads, config.api.token_file):
+        print(f"{args.file}: warning: {w}", file=sys.stderr)
     print(f"{args.file}: OK")
     return 0

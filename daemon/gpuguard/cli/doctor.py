@@ -10,8 +10,18 @@ import sys
 
 from gpuguard.cli.pcie import add_source_args, load
 from gpuguard.hw.pcie_capture import CaptureError
-from gpuguard.policy.doctor import diagnose, exit_status, expected_from_config
+from gpuguard.policy.doctor import Finding, diagnose, exit_status, expected_from_config
 from gpuguard.policy.link_history import FILE as HISTORY_FILE, boot_time, load as load_history
+
+
+def exposure_findings(cfg) -> list[Finding]:
+    """WARN for what the config leaves reachable from the network without a token
+    (issue 12 item 9)."""
+    from gpuguard.sinks.auth import exposure_warnings
+
+    where = f"{cfg.listen.address}:{cfg.listen.port}"
+    return [Finding("WARN", "api", w, where, "set api.token_file and api.open_reads: false, or listen on 127.0.0.1")
+            for w in exposure_warnings(cfg.listen.address, cfg.api.open_reads, cfg.api.token_file)]
 
 
 def register(subparsers) -> None:
@@ -28,6 +38,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     entries: list = []
+    exposure: list = []
     state_dir = "/var/lib/gpuguard" if args.sysfs_root == "/" and not args.replay else None
     if args.config:
         # One loader for everything (issue 14): what the daemon accepts, doctor accepts.
@@ -36,6 +47,7 @@ def run(args) -> int:
         try:
             cfg = load_config(args.config)
             entries, state_dir = list(cfg.gpus), cfg.state_dir
+            exposure = exposure_findings(cfg)
         except ConfigError as e:
             print(f"gpuguard doctor: {e.render()}", file=sys.stderr)
             return 2
@@ -47,7 +59,7 @@ def run(args) -> int:
     try:
         history = args.history or (os.path.join(state_dir, HISTORY_FILE) if state_dir else None)
         seen = load_history(history, boot_time(src.root)) if history else {}
-        findings = diagnose(src.root, report, expected_from_config(entries, report), lines, seen_under_load=seen)
+        findings = diagnose(src.root, report, expected_from_config(entries, report), lines, seen_under_load=seen) + exposure
     finally:
         src.close()
     if args.config:  # issue 17: the PSU budget from the flight recorder (INCIDENTS §2)

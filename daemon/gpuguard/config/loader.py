@@ -1,6 +1,11 @@
 """Loading the one YAML config file: parse with pyyaml, validate with pydantic, and
 turn every validation error into one line that names the key path and the line number
-in the file (`gpus[1].match.bdf (line 14): ...`). An invalid file is never half-used."""
+in the file (`gpus[1].match.bdf (line 14): ...`). An invalid file is never half-used.
+
+Hostile files are answers too, never tracebacks (issue 12): a file over MAX_BYTES, one
+that is not UTF-8 (the line of the first bad byte is named), YAML nested deeper than
+MAX_DEPTH (pyyaml composes recursively: 10,000 levels was a RecursionError), anchors
+that expand past MAX_NODES (a "billion laughs" file)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +27,9 @@ class ConfigProblem:
 
     def __str__(self) -> str:
         where = f" (line {self.line})" if self.line else ""
-        return f"{self.key or '<top level>'}{where}: {self.message}"
+        message = " ".join(self.message.split())  # one line each, whatever pyyaml printed
+        key = self.key if self.key.isprintable() else repr(self.key)  # a key may hold a newline
+        return f"{key or '<top level>'}{where}: {message}"
 
 
 class ConfigError(Exception):
@@ -36,9 +43,34 @@ class ConfigError(Exception):
         return "\n".join([head] + [f"  {p}" for p in self.problems])
 
 
+MAX_BYTES = 1 << 20  # a config is a few KiB; a megabyte is a mistake or an attack
+MAX_DEPTH = 32  # the schema nests 5 deep
+MAX_NODES = 100_000
+
+
+class _TooDeep(yaml.MarkedYAMLError):
+    pass
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader without YAML 1.1's base-60 numbers: an unquoted PCI address such as
-    0000:05:00.0 must stay the string the user wrote, not become 1500.0."""
+    0000:05:00.0 must stay the string the user wrote, not become 1500.0. Nesting and
+    node count are bounded while composing, before anything recurses deeply."""
+
+    _depth = 0
+    _nodes = 0
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        self._depth += 1
+        self._nodes += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _TooDeep(None, None, f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+            if self._nodes > MAX_NODES:
+                raise _TooDeep(None, None, f"more than {MAX_NODES} values", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -99,21 +131,44 @@ def _clean_loc(loc: tuple) -> tuple:
     return tuple(p for p in loc if isinstance(p, int) or ("[" not in str(p) and "-" not in str(p)))
 
 
+def _expanded_size(node: yaml.Node | None, limit: int) -> int:
+    """Values the document expands to once aliases are followed (a "billion laughs"
+    file is small but expands without bound); stops counting past `limit`."""
+    total = 0
+    stack = [node] if node is not None else []
+    while stack and total <= limit:
+        n = stack.pop()
+        total += 1
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                stack.extend((k, v))
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+    return total
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     try:
         node = yaml.compose(text, Loader=_Loader)
+        if _expanded_size(node, MAX_NODES) > MAX_NODES:
+            raise ConfigError(source, [ConfigProblem("", None, f"expands to more than {MAX_NODES} values "
+                                                             "(YAML aliases); write the values out")])
         data: Any = yaml.load(text, Loader=_Loader)
     except yaml.MarkedYAMLError as e:
         line = e.problem_mark.line + 1 if e.problem_mark else None
         raise ConfigError(source, [ConfigProblem("", line, f"not valid YAML: {e.problem}")]) from None
     except yaml.YAMLError as e:
         raise ConfigError(source, [ConfigProblem("", None, f"not valid YAML: {e}")]) from None
+    except RecursionError:  # a construct the depth bound did not foresee: still an answer
+        raise ConfigError(source, [ConfigProblem("", None, "not valid YAML: nested too deeply")]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(source, [ConfigProblem("", 1, "the file must be a mapping of sections (poll:, gpus:, ...)")])
     try:
         return Config.model_validate(data)
+    except RecursionError:
+        raise ConfigError(source, [ConfigProblem("", None, "nested too deeply")]) from None
     except ValidationError as e:
         problems = []
         for err in e.errors():
@@ -131,7 +186,20 @@ def load_config(path: str | Path | None) -> Config:
         return Config()
     p = Path(path)
     try:
-        text = p.read_text()
+        with open(p, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
     except OSError as e:
         raise ConfigError(str(p), [ConfigProblem("", None, f"cannot read: {e.strerror}")]) from None
-    return parse_config(text, str(p))
+    return parse_config_bytes(raw, str(p))
+
+
+def parse_config_bytes(raw: bytes, source: str = "<config>") -> Config:
+    if len(raw) > MAX_BYTES:
+        raise ConfigError(source, [ConfigProblem("", None, f"larger than {MAX_BYTES} bytes; is this the config file?")])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(source, [ConfigProblem("", line, f"not UTF-8 text: byte 0x{raw[e.start]:02x} at offset "
+                                                           f"{e.start} (save the file as UTF-8)")]) from None
+    return parse_config(text, source)

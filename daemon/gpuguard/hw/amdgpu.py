@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gpuguard.hw import amdgpu_files as files
+from gpuguard.hw import plausible
 from gpuguard.hw.amdgpu_od import parse_od
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 from gpuguard.state.snapshot import GpuSnapshot
@@ -213,6 +214,13 @@ def _device_probes(root: SysfsRoot, dev: str) -> tuple[Probe, ...]:
     return tuple(Probe(key, f"{dev}/{name}", parse) for key, name, parse in wanted if root.exists(f"{dev}/{name}"))
 
 
+# Live readings pass plausibility bounds (hw/plausible.py, issue 12); limits do not.
+_TEMP = plausible.bounded(files.parse_millicelsius, "temperature")
+_POWER = plausible.bounded(files.parse_microwatts, "power")
+_CLOCK = plausible.bounded(files.parse_hertz, "clock")
+_VOLTAGE = plausible.bounded(files.parse_millivolts, "voltage")
+_FAN = plausible.bounded(files.parse_rpm, "fan")
+
 _SENSOR = re.compile(r"(temp|in|freq|power|fan)(\d+)_label\Z")
 
 
@@ -236,7 +244,7 @@ def _hwmon_probes(root: SysfsRoot, hw: str) -> tuple[Probe, ...]:
     for (kind, n), label in sorted(labels.items()):
         if kind == "temp" and has(f"temp{n}_input"):
             probes.append(
-                Probe(f"temperature_{label}", f"{hw}/temp{n}_input", files.parse_millicelsius, "temperatures", label)
+                Probe(f"temperature_{label}", f"{hw}/temp{n}_input", _TEMP, "temperatures", label)
             )
             for level in ("crit", "emergency"):
                 if has(f"temp{n}_{level}"):
@@ -249,19 +257,19 @@ def _hwmon_probes(root: SysfsRoot, hw: str) -> tuple[Probe, ...]:
         # power1_average is gone on newer RDNA3+ kernels, where power1_input is the reading.
         for name in (f"power{n}_average", f"power{n}_input"):
             if has(name):
-                probes.append(Probe("power_watts", f"{hw}/{name}", files.parse_microwatts))
+                probes.append(Probe("power_watts", f"{hw}/{name}", _POWER))
                 break
         for suffix in ("cap", "cap_min", "cap_max", "cap_default"):
             key = f"power_{suffix}_watts"
             if has(f"power{n}_{suffix}"):
-                probes.append(Probe(key, f"{hw}/power{n}_{suffix}", files.parse_microwatts))
+                probes.append(Probe(key, f"{hw}/power{n}_{suffix}", _POWER))
     for (kind, n), label in sorted(labels.items()):
         if kind == "freq" and has(f"freq{n}_input"):
-            probes.append(Probe(f"clock_{label}", f"{hw}/freq{n}_input", files.parse_hertz, "clocks_hz", label))
+            probes.append(Probe(f"clock_{label}", f"{hw}/freq{n}_input", _CLOCK, "clocks_hz", label))
         elif kind == "in" and has(f"in{n}_input"):
-            probes.append(Probe(f"voltage_{label}", f"{hw}/in{n}_input", files.parse_millivolts, "voltages", label))
+            probes.append(Probe(f"voltage_{label}", f"{hw}/in{n}_input", _VOLTAGE, "voltages", label))
     if has("fan1_input"):
-        probes.append(Probe("fan_rpm", f"{hw}/fan1_input", files.parse_rpm))
+        probes.append(Probe("fan_rpm", f"{hw}/fan1_input", _FAN))
     return tuple(probes)
 
 
@@ -269,7 +277,7 @@ def _dpm_current_hz(data: bytes, path: str) -> float:
     mhz = files.parse_dpm(data, path).current_mhz
     if mhz is None:
         raise files.AmdgpuFormatError(path, "no DPM level marked '*'")
-    return mhz * 1e6
+    return plausible.check("clock", mhz * 1e6, path)
 
 
 def _dpm_fallback(root: SysfsRoot, dev: str, have: tuple[Probe, ...]) -> tuple[Probe, ...]:

@@ -259,6 +259,15 @@ class KmsgReader:
                             "re-report or skip lines; fix kernel.state_file", self.state_file, e)
                 self._state_warned = True
 
+    def commit(self, seq: int) -> None:
+        """Record `seq` as handled and save the position now, synchronously. Called just
+        before an alert about record `seq` is queued: with the 1 s save interval alone, a
+        SIGKILL right after an alert re-alerted that line on the next start (issue 12)."""
+        if self.done_seq is None or seq > self.done_seq:
+            self.done_seq = seq
+        with self._save_lock:
+            self._save_locked()
+
     def _schedule_save(self) -> None:
         if self.state_file is None or self._save_handle is not None:
             return

@@ -13,6 +13,7 @@ hook runs once per GPU and action within `debounce_s`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter, deque
@@ -177,6 +178,10 @@ class KernelEventRouter:
                 log.exception("kernel event sink failed on %s", event.kind)
 
     def _emit(self, event: Event, clears: Iterable[str]) -> None:
+        if event.alert_grade and event.kind in self.policy and "alert" not in self.policy[event.kind]:
+            # issue 12: `kernel.policy: {gpu_hang: []}` still sent webhooks; the notifier
+            # skips events marked so (sinks/alert_gate.py)
+            event = dataclasses.replace(event, fields={**event.fields, "alert": False})
         self._record(event)
         self.states.kernel_event(event, clears)
         bdf = event.bdf

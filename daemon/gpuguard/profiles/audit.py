@@ -40,6 +40,13 @@ class AuditLog:
                 result=str(record.get("result", "ok")),
             )
 
+    def before(self, gpu: str, profile: str, who: str, why: str) -> None:
+        """The record written before a card is touched; raises AuditUnavailable when it
+        cannot be written, and then nothing is applied (issue 12)."""
+        with self._lock:
+            self._log.record("profile_apply", who, why, target=gpu, evidence={"profile": profile},
+                             result="started", required=True)
+
 
 def read_audit(path: str) -> list[dict[str, Any]]:
     """Profile records of the audit log, flat again (other actions are skipped)."""

@@ -35,6 +35,7 @@ from gpuguard.profiles.safemode import SafeModeGuard
 from gpuguard.profiles.schema import Profile, ProfilesConfig
 from gpuguard.profiles.wait import wait_for_gpus
 from gpuguard.policy.conditions import Conditions
+from gpuguard.sinks.audit import AuditUnavailable
 from gpuguard.state.events import Event
 from gpuguard.state.gpus import GpuStates
 from gpuguard.state.hub import Hub
@@ -158,6 +159,13 @@ class ProfileRuntime:
             if profile is None:
                 return None
             generation = s.generation
+            try:  # no audit record, no write (issue 12)
+                await asyncio.get_running_loop().run_in_executor(None, self.audit.before, s.name, s.profile, who, why)
+            except AuditUnavailable as e:
+                log.error("profile %s not applied to %s: %s", s.profile, s.name, e)
+                self._publish(Event("audit_unavailable", "alert", "profiles",
+                                    f"profile {s.profile} not applied to {s.name}: {e}", gpu=s.name, bdf=bdf))
+                return None
             r = await self.on_card(self.applier.apply, CardTarget(s.name, bdf), s.profile, profile, who, why)
         finally:
             self.busy.discard(bdf)
@@ -278,6 +286,7 @@ def attach(daemon: Any) -> ProfileRuntime:
     """Wire profiles into `daemon` (hooks, metrics, view, API provider). Returns the runtime."""
     rt = ProfileRuntime(ProfilesConfig.from_root(daemon.config), daemon.hub.gpus, daemon.hub, daemon.root,
                         discover=daemon.poller.discover)
+    rt.audit._log.health = getattr(daemon, "state_dir", None)  # /healthz, STATUS= (issue 12)
     daemon.on_ready.append(rt.on_ready)
     daemon.poller.on_cycle.append(rt.on_cycle)
     daemon.metrics.add_producer(rt.ledger.metrics)

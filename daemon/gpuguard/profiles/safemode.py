@@ -12,12 +12,15 @@ person applies by hand (`gpuguard apply`) or removes the file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
+
+log = logging.getLogger("gpuguard.profiles")
 
 STATE_FILE = "profiles-safemode.json"
 CMDLINE_WORD = "gpuguard.safe"
@@ -50,13 +53,18 @@ class SafeModeGuard:
             return {"corrupt": True}
 
     def _save(self) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.state, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)  # the state must survive the very crash it records
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.state, f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)  # the state must survive the very crash it records
+        except OSError as e:
+            # issue 12: a read-only or full state_dir crashed the start here. The marker is
+            # lost; applies are refused anyway while the audit log cannot be written.
+            log.error("safe-mode marker not saved path=%s error=%s", self.path, e.strerror or e)
 
     def boot_id(self) -> str | None:
         try:

@@ -13,7 +13,9 @@ Path parameters are names, never paths: each must match NAME_RE and be one of th
 GPUs / engines / caches before anything else sees it.
 
 JSON shapes (stable; the CLI's status/events/engines read them):
-  GET /healthz            {"ok": bool, "last_poll": float|null}
+  GET /healthz            {"ok": bool, "last_poll": float|null,
+                           "state_dir": {"usable": bool, "reason": str|null}}  (ok: telemetry flows;
+                           state_dir unusable: applies and other audited actions answer 503)
   GET /v1/status          {"version", "time", "summary": str, "last_poll": {source: time},
                            "gpus": [gpu], "pending_confirm": {gpu: pending}}
   GET /v1/gpus            [gpu]          gpu = GpuSnapshot.to_dict()
@@ -26,6 +28,7 @@ JSON shapes (stable; the CLI's status/events/engines read them):
   (a read provider with nothing yet answers 503)
   GET /v1/config          the effective config (webhook URLs redacted)
   POST bodies             {"reason": str?}; apply: {"profile": str, "confirm_within": s?, "reason": str?}
+  503                     the audit record could not be written first: nothing was changed
   POST answers            {"ok": true, "action", "target", "who", "result", "pending_confirm": pending|null}
   pending                 {"gpu", "profile", "who", "confirm_within", "revert_at"}
   errors                  {"detail": str}  (422: {"detail": [{"loc": [...], "msg", "type"}]})
@@ -47,10 +50,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuguard import __version__
 from gpuguard.sinks.actions import ActionRefused, Actions
-from gpuguard.sinks.audit import AuditLog, jsonable
+from gpuguard.sinks.audit import AuditLog, AuditUnavailable, jsonable
 from gpuguard.sinks.auth import AccessPolicy, Caller, TokenStore, bearer_token
 from gpuguard.sinks.confirm import ConfirmWindows
 from gpuguard.sinks.metrics import CONTENT_TYPE, MetricsSink
+from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
 
 log = logging.getLogger("gpuguard.api")
@@ -116,6 +120,9 @@ class ActionContext:
     target: str
     reason: str | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    # called by each action right before it changes anything: writes the audit record
+    # first and raises 503 when it cannot (issue 12)
+    before_act: Callable[[], None] = lambda: None
 
     @property
     def why(self) -> str:
@@ -126,15 +133,49 @@ def _body_doc(model: type[BaseModel], required: bool) -> dict[str, Any]:
     return {"requestBody": {"required": required, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
+MAX_BODY_DEPTH = 16  # the bodies are flat objects; deep nesting is only an attack
+
+
+def json_depth(raw: bytes, limit: int) -> int:
+    """Deepest [/{ nesting of a JSON text (strings skipped), counted before parsing so a
+    deep body never reaches the recursive parser (issue 12: it answered 500). Stops
+    counting past `limit`."""
+    depth = deepest = 0
+    in_str = esc = False
+    for b in raw:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:  # backslash
+                esc = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    return deepest
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
 async def parse_body(request: Request, model: type[_Body]) -> _Body:
     """Parse after auth (FastAPI's own body handling would answer 422 before 401). An
-    empty body is `{}`; errors are 422 with the field's location."""
+    empty body is `{}`; errors are 422 with the field's location. Size is bounded by
+    BodyLimit (413) before this runs; depth here (422), before json.loads."""
     raw = await request.body()
     data: Any = {}
     if raw.strip():
+        if json_depth(raw, MAX_BODY_DEPTH) > MAX_BODY_DEPTH:
+            raise HTTPException(422, detail=[{"loc": ["body"], "msg": f"nested deeper than {MAX_BODY_DEPTH} levels",
+                                              "type": "json_too_deep"}])
         try:
             data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise HTTPException(422, detail=[{"loc": ["body"], "msg": f"not valid JSON: {e}", "type": "json_invalid"}])
     if not isinstance(data, dict):
         raise HTTPException(422, detail=[{"loc": ["body"], "msg": "must be a JSON object", "type": "model_type"}])
@@ -329,6 +370,7 @@ def build_app(
         """Run one mutating action and audit it whatever happens. `run` fills `ctx`
         (the resolved target, the reason from the body, evidence) as it learns them."""
         ctx.evidence["client"] = request.client.host if request.client else None
+        ctx.before_act = lambda: write_ahead(what, caller, ctx)
         try:
             result, pending = await run()
         except HTTPException as e:
@@ -349,6 +391,21 @@ def build_app(
         log.info("api action=%s target=%s who=%s why=%r ok", what, ctx.target, caller.who, ctx.why)
         return {"ok": True, "action": what, "target": ctx.target, "who": caller.who, "result": jsonable(result),
                 "pending_confirm": pending}
+
+    def write_ahead(what: str, caller: Caller, ctx: ActionContext) -> None:
+        """The audit record, written and fsynced before the action acts. No record, no
+        action: 503, an alert, and nothing reaches the provider (issue 12 item 1)."""
+        audit = app.state.audit
+        if audit is None:
+            return
+        try:
+            audit.record(what, caller.who, ctx.why, target=ctx.target, evidence=ctx.evidence, result="started",
+                         required=True)
+        except AuditUnavailable as e:
+            msg = f"{what} on {ctx.target} refused: {e}; nothing was changed (free space or fix state_dir, then retry)"
+            hub.publish(Event("audit_unavailable", "alert", "api", msg, fields={"action": what, "target": ctx.target,
+                                                                               "who": caller.who}))
+            raise HTTPException(503, detail=msg) from None
 
     def _audit(what: str, caller: Caller, ctx: ActionContext, result: str) -> None:
         if app.state.audit is not None:
@@ -372,7 +429,11 @@ def build_app(
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
         last = hub.last_poll.get("gpu")
-        return {"ok": hub.poll_fresh(), "last_poll": last}
+        doc: dict[str, Any] = {"ok": hub.poll_fresh(), "last_poll": last}
+        state = getattr(app.state, "state_health", None)
+        if state is not None:  # telemetry runs without it; audited actions do not (issue 12)
+            doc["state_dir"] = state().to_dict()
+        return doc
 
     @app.get("/v1/status", dependencies=read)
     def get_status() -> dict[str, Any]:
@@ -452,6 +513,7 @@ def build_app(
                 if state is None:
                     state = await _call(snapshot_state, name, blocking=True)
                 ctx.evidence["state_before"] = state
+            ctx.before_act()
             result = await _call(apply, name, body.profile, caller.who, blocking=True)
             pending = None
             if body.confirm_within is not None:
@@ -470,6 +532,9 @@ def build_app(
         async def run() -> tuple[Any, dict | None]:
             ctx.target = name = known_gpu(gpu)
             ctx.reason = (await parse_body(request, ReasonBody)).reason
+            if not confirm.has(name):
+                raise HTTPException(409, detail=f"GPU {name!r} has no applied profile waiting for confirmation")
+            ctx.before_act()
             p = confirm.confirm(name)
             if p is None:
                 raise HTTPException(409, detail=f"GPU {name!r} has no applied profile waiting for confirmation")
@@ -496,6 +561,7 @@ def build_app(
                         )
                 ctx.reason = (await parse_body(request, ReasonBody)).reason
                 (fn,) = _need(actions_(), provider)
+                ctx.before_act()
                 return await _call(fn, ctx.target, caller.who, blocking=True), None
 
             return await audited(request, caller, what, ctx, run)

@@ -21,6 +21,11 @@ log = logging.getLogger("gpuguard.audit")
 AUDIT_FILE = "audit.jsonl"
 
 
+class AuditUnavailable(Exception):
+    """The audit record could not be written (disk full, read-only, missing folder): the
+    action it was for must not happen (issue 12: a change went through on a full disk)."""
+
+
 def jsonable(v: Any) -> Any:
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
@@ -38,6 +43,9 @@ def jsonable(v: Any) -> Any:
 class AuditLog:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        # told about every failed / successful write (state/state_dir.StateDir: /healthz,
+        # STATUS= and the alert say the folder is unusable)
+        self.health: Any = None
 
     @classmethod
     def in_state_dir(cls, state_dir: str) -> "AuditLog":
@@ -53,9 +61,11 @@ class AuditLog:
         evidence: Any = None,
         result: str = "ok",
         when: float | None = None,
+        required: bool = False,
     ) -> dict[str, Any]:
         """Append one record and return it. A failure to write is logged as an error with
-        the whole record (so the journal still has it), never raised into the caller."""
+        the whole record (so the journal still has it); with `required` (the record written
+        *before* an action) it is also raised as AuditUnavailable, and the caller must not act."""
         t = time.time() if when is None else when
         rec = {
             "time": dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds"),
@@ -79,6 +89,13 @@ class AuditLog:
                 os.close(fd)
         except OSError as e:
             log.error("audit record not written path=%s error=%s record=%s", self.path, e.strerror, line.decode().strip())
+            if self.health is not None:
+                self.health.failed(str(self.path), e)
+            if required:
+                raise AuditUnavailable(f"audit record not written to {self.path}: {e.strerror or e}") from None
+            return rec
+        if self.health is not None:
+            self.health.succeeded()
         return rec
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

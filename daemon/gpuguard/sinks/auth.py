@@ -145,3 +145,18 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not value.strip():
         return None
     return value.strip()
+
+
+def exposure_warnings(listen_address: str, open_reads: bool, token_file: str | None) -> list[str]:
+    """What is reachable from the network without a token (issue 12 item 9: reads were
+    served to anyone without a word). Said at start and by `gpuguard doctor`."""
+    if is_loopback(listen_address):
+        return []
+    out = []
+    if open_reads:
+        out.append(f"api: listening on {listen_address} with api.open_reads: true: /metrics, /v1/status, /v1/config "
+                   "and /v1/events are readable by anyone who can reach this host, without a token")
+    if token_file is None:
+        out.append(f"api: listening on {listen_address} without api.token_file: reads need a token nobody has and "
+                   "every change is refused; set api.token_file or listen on 127.0.0.1")
+    return out

@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from gpuguard.sinks.alert_gate import AlertGate, AlertQueue
+
 from gpuguard import __version__
 from gpuguard.config.service import WebhookConfig
 from gpuguard.state.events import Event
@@ -56,7 +58,8 @@ class _Target:
     def __init__(self, cfg: WebhookConfig) -> None:
         self.cfg = cfg
         self.label = redact_url(cfg.url)
-        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self.queue = AlertQueue(QUEUE_SIZE)  # severity-aware when full (sinks/alert_gate.py)
+        self.gate = AlertGate(cfg.debounce_seconds)
         self.task: asyncio.Task | None = None
 
 
@@ -70,6 +73,10 @@ class WebhookNotifier:
         self._configs = list(webhooks)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: httpx.AsyncClient | None = None
+        # called on the loop, synchronously, before an admitted alert is queued (the kmsg
+        # reader saves its position here: a crash never re-alerts an alerted line, issue 12)
+        self.before_send: list = []
+        self.suppressed: collections.Counter[str] = collections.Counter()  # kind -> debounced repeats
         hub.on_event(self._on_event)
 
     # -- lifecycle (inside the running loop) -------------------------------------------------
@@ -88,6 +95,7 @@ class WebhookNotifier:
         for url in list(self._targets):
             if url not in wanted or self._targets[url].cfg != wanted[url]:
                 t = self._targets.pop(url)
+                self._fold(t)
                 if t.task is not None:
                     t.task.cancel()
         for url, cfg in wanted.items():
@@ -119,12 +127,24 @@ class WebhookNotifier:
             self._loop.call_soon_threadsafe(self._enqueue, event)
 
     def _enqueue(self, event: Event) -> None:
-        for t in self._targets.values():
+        admitted = [(t, e) for t in self._targets.values() if (e := t.gate.admit(event)) is not None]
+        if not admitted:
+            return
+        for fn in self.before_send:
             try:
-                t.queue.put_nowait(event)
-            except asyncio.QueueFull:
+                fn(event)
+            except Exception as e:  # noqa: BLE001 - never lose the alert for a hook
+                log.error("webhook before_send hook failed: %s: %s", type(e).__name__, e)
+        for t, e in admitted:
+            dropped = t.queue.put(e)
+            if dropped is not None:
                 self.dropped[t.label] += 1
-                log.warning("webhook queue full url=%s dropped kind=%s", t.label, event.kind)
+                log.warning("webhook queue full url=%s dropped kind=%s severity=%s", t.label, dropped.kind,
+                            dropped.severity)
+
+    def _fold(self, t: _Target) -> None:
+        for kind, n in t.gate.suppressed.items():
+            self.suppressed[kind] += n
 
     # -- delivery --------------------------------------------------------------------------
     async def _worker(self, t: _Target) -> None:
@@ -176,4 +196,12 @@ class WebhookNotifier:
             fam.add_metric([label], self.failures[label])
             sent.add_metric([label], self.sent[label])
             dropped.add_metric([label], self.dropped[label])
-        yield from (fam, sent, dropped)
+        suppressed = CounterMetricFamily(
+            "gpuguard_alerts_suppressed", "Alert events not sent because the same condition (kind, GPU, engine) "
+            "was alerted within the webhook's debounce window", labels=["kind"])
+        total = collections.Counter(self.suppressed)
+        for t in self._targets.values():
+            total.update(t.gate.suppressed)
+        for kind, n in sorted(total.items()):
+            suppressed.add_metric([kind], n)
+        yield from (fam, sent, dropped, suppressed)

@@ -6,16 +6,28 @@ Each poll cycle is one transaction, committed with `synchronous=FULL` (the WAL i
 fsynced at every commit: what was recorded is on disk). Writes run on a single
 background thread so a slow disk never delays the poller. Old rows are pruned to
 `keep_seconds`.
+
+Issue 12: events wait in memory (`add_event`) and go in the next cycle's transaction
+with the samples — a kernel flood of one transaction per event queued ahead of the
+samples and a SIGKILL lost seconds of them. The database is bounded by size too
+(`max_bytes`, pages in use): past it the oldest rows are pruned. Losses are counted and
+exported: `gpuguard_recorder_write_failures_total`, `gpuguard_recorder_events_dropped_total`
+(the in-memory backlog overflowed), `gpuguard_recorder_rows_total{table}`,
+`gpuguard_recorder_bytes` (file size on disk, WAL included).
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
+import threading
 import logging
 import os
 import sqlite3
 import time
 from typing import Any, Iterable, Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpuguard.state.events import Event
 from gpuguard.state.hub import HostSnapshot
@@ -55,13 +67,21 @@ CREATE INDEX IF NOT EXISTS engine_samples_t ON engine_samples(t);
 # issue 17: the fast power sampler's per-interval statistics, the host PSU verdict, and the
 # raw samples around a power alert (INCIDENTS §2: the seconds before a trip must survive it).
 POWER_TABLES = {"power_windows": 9, "power_host": 7, "power_burst": 4}
+EVENT_BACKLOG = 50_000  # events waiting for the next cycle; past it they are counted lost
+PRUNE_EVERY = 60.0
 
 
 class FlightRecorder:
-    def __init__(self, path: str, keep_seconds: float = 86400.0) -> None:
+    def __init__(self, path: str, keep_seconds: float = 86400.0, max_bytes: int | None = None) -> None:
         self.path = path
         self.keep_seconds = keep_seconds
+        self.max_bytes = max_bytes
         self.failures = 0
+        self.events_dropped = 0
+        self.rows: collections.Counter[str] = collections.Counter()  # table -> rows committed
+        self.pruned_for_size = 0
+        self._backlog: collections.deque[Event] = collections.deque()
+        self._backlog_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuguard-recorder")
         self._db: sqlite3.Connection | None = None
         self._last_prune = 0.0
@@ -70,6 +90,7 @@ class FlightRecorder:
     def _open(self) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         db = sqlite3.connect(self.path, check_same_thread=False)
+        db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # takes effect on a new file: pruning can shrink it
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(SCHEMA)
@@ -92,7 +113,7 @@ class FlightRecorder:
                 if engines:
                     self._db.executemany("INSERT INTO engine_samples VALUES (?,?,?,?,?,?,?,?)", engines)
                 now = time.time()
-                if now - self._last_prune > 60:
+                if now - self._last_prune > PRUNE_EVERY:
                     cutoff = now - self.keep_seconds
                     self._db.execute("DELETE FROM samples WHERE t < ?", (cutoff,))
                     self._db.execute("DELETE FROM events WHERE t < ?", (cutoff,))
@@ -100,9 +121,43 @@ class FlightRecorder:
                         self._db.execute(f"DELETE FROM {table} WHERE t < ?", (cutoff,))
                     self._db.execute("DELETE FROM engine_samples WHERE t < ?", (cutoff,))
                     self._last_prune = now
+                    self._prune_for_size()
+            self.rows["samples"] += len(samples)
+            self.rows["events"] += len(events)
         except sqlite3.Error as e:
             self.failures += 1
-            log.error("recorder write failed path=%s error=%s", self.path, e)
+            if self.failures == 1 or self.failures % 100 == 0:  # counted always; logged, not 2,439 times
+                log.error("recorder write failed path=%s error=%s (failures so far: %d, see "
+                          "gpuguard_recorder_write_failures_total)", self.path, e, self.failures)
+
+    def used_bytes(self) -> int:
+        assert self._db is not None
+        (page,), = self._db.execute("PRAGMA page_size").fetchall()
+        (count,), = self._db.execute("PRAGMA page_count").fetchall()
+        (free,), = self._db.execute("PRAGMA freelist_count").fetchall()
+        return (count - free) * page
+
+    def _prune_for_size(self) -> None:
+        """Past `max_bytes` in use: delete the oldest tenth of the time span until under."""
+        if not self.max_bytes:
+            return
+        assert self._db is not None
+        for _ in range(20):
+            if self.used_bytes() <= self.max_bytes:
+                break
+            (lo, hi), = self._db.execute("SELECT min(t), max(t) FROM samples").fetchall()
+            (elo, ehi), = self._db.execute("SELECT min(t), max(t) FROM events").fetchall()
+            lo = min(x for x in (lo, elo) if x is not None) if (lo, elo) != (None, None) else None
+            hi = max(x for x in (hi, ehi) if x is not None) if (hi, ehi) != (None, None) else None
+            if lo is None or hi is None or hi <= lo:
+                break
+            cut = lo + (hi - lo) / 10
+            self._db.execute("DELETE FROM samples WHERE t <= ?", (cut,))
+            self._db.execute("DELETE FROM events WHERE t <= ?", (cut,))
+            for table in (*POWER_TABLES, "engine_samples"):
+                self._db.execute(f"DELETE FROM {table} WHERE t <= ?", (cut,))
+            self.pruned_for_size += 1
+        self._db.execute("PRAGMA incremental_vacuum")
 
     @staticmethod
     def sample_rows(snap: HostSnapshot) -> list[tuple]:
@@ -136,12 +191,28 @@ class FlightRecorder:
                          e.requests_running, e.requests_waiting))
         return rows
 
+    def add_event(self, event: Event) -> None:
+        """Keep `event` for the next cycle's transaction (any thread; never blocks)."""
+        with self._backlog_lock:
+            if len(self._backlog) >= EVENT_BACKLOG:
+                self.events_dropped += 1
+                return
+            self._backlog.append(event)
+
+    def _take_backlog(self) -> list[Event]:
+        with self._backlog_lock:
+            out = list(self._backlog)
+            self._backlog.clear()
+        return out
+
     def record(self, snap: HostSnapshot | None = None, events: Iterable[Event] = (),
                engines: Mapping[str, Any] | None = None) -> concurrent.futures.Future:
-        """Queue one transaction; returns the future (tests wait on it, the daemon does not).
-        `engines`: name -> EngineSnapshot, recorded at the snapshot's time."""
+        """Queue one transaction: this cycle's samples, the events kept since the last one,
+        `events`, and `engines` (name -> EngineSnapshot, at the snapshot's time). Returns
+        the future (tests wait on it, the daemon does not)."""
         t = snap.time if snap else time.time()
-        return self._pool.submit(self._write, self.sample_rows(snap) if snap else [], self.event_rows(events),
+        evs = self._take_backlog() + list(events)
+        return self._pool.submit(self._write, self.sample_rows(snap) if snap else [], self.event_rows(evs),
                                  self.engine_rows(engines, t))
 
     def record_power(self, power: dict[str, list[tuple]]) -> concurrent.futures.Future:
@@ -151,10 +222,36 @@ class FlightRecorder:
             raise ValueError(f"no recorder table {sorted(unknown)}; power tables: {sorted(POWER_TABLES)}")
         return self._pool.submit(self._write, [], [], [], power)
 
+    def bytes_on_disk(self) -> int:
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.stat(self.path + suffix).st_size
+            except OSError:
+                pass
+        return total
+
+    def collect(self) -> Iterable[Metric]:
+        fail = CounterMetricFamily("gpuguard_recorder_write_failures", "Flight recorder transactions that failed "
+                                   "(disk full, I/O error): their rows are lost")
+        fail.add_metric([], self.failures)
+        rows = CounterMetricFamily("gpuguard_recorder_rows", "Rows committed to the flight recorder", labels=["table"])
+        for table in ("samples", "events"):
+            rows.add_metric([table], self.rows[table])
+        dropped = CounterMetricFamily("gpuguard_recorder_events_dropped", "Events not recorded because the "
+                                      "recorder's backlog was full")
+        dropped.add_metric([], self.events_dropped)
+        size = GaugeMetricFamily("gpuguard_recorder_bytes", "Flight recorder size on disk (database + WAL)")
+        size.add_metric([], self.bytes_on_disk())
+        yield from (fail, rows, dropped, size)
+
     def query(self, sql: str, args: tuple = ()) -> list[tuple]:
         return self._pool.submit(lambda: self._db.execute(sql, args).fetchall()).result()
 
     def close(self) -> None:
+        if self._backlog:
+            self.record()  # the events still waiting for a cycle
+
         def _close() -> None:
             if self._db is not None:
                 self._db.close()
