@@ -26,6 +26,9 @@ EXTRA_NAMES = {
     "gpuguard_gpu_pcie_tx_bytes_total",
     "gpuguard_gpu_pcie_rx_bytes_total",
     "gpuguard_gpu_process_vram_used_bytes",
+    # Stall episodes (issue 21, engines/metrics.py): with `action: kill` the stalled gauge is 1
+    # for ~50 ms, never scraped; GpuguardEngineStalled reads this counter too.
+    "gpuguard_engine_stalls_total",
 }
 # METRICS.md metrics the dashboard deliberately leaves out, and why.
 NOT_ON_DASHBOARD = {
