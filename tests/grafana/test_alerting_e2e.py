@@ -1,0 +1,148 @@
+"""grafana/alerts.yml end to end (issue 21): real Prometheus and Alertmanager (Debian packages)
+against gpuguard on the simulated incident host. Faults are driven on the host; each alert
+must reach Alertmanager's webhook receiver exactly once per fault, labelled with the GPU's
+configured name (never `cardN`) or the engine, and resolve when the fault clears. When
+gpuguard itself dies, GpuguardDown fires and the alerts it had raised are held (inhibited
+by the shipped Alertmanager example), not resolved.
+
+The rules are the shipped expressions with `for:` scaled 1 min -> 3 s (alerting_stack.py).
+Rules proven here end to end: GpuguardPcieLinkDowngraded, GpuguardPcieUncorrectableErrors,
+GpuguardTemperatureEmergency (+ the NearEmergency inhibition), GpuguardEngineStalled (with
+`action: kill`), GpuguardGpuDown, GpuguardDown, GpuguardAbsent. The others are proven by
+the promtool unit tests (grafana/alerts_test.yml) and test_prometheus.py."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from support import WebhookReceiver, poll_until
+
+from grafana.alerting_stack import (ALERTMANAGER, PROMETHEUS, Alertmanager, Gpuguard, Notifications, Prometheus, Sim,
+                            render_rules)
+
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None or ALERTMANAGER is None,
+    reason="needs the Debian packages `prometheus` and `prometheus-alertmanager` (.ci/run installs them)")
+
+XTX0, XTX1 = "0000:aa:00.0", "0000:b0:00.0"
+CONFIG = """
+poll: {interval_seconds: 0.25, discover_seconds: 1, pcie_interval_seconds: 1}
+gpus:
+  - {name: r9700-a, match: {pci_id: "1002:7551", index: 0}}
+  - {name: r9700-b, match: {pci_id: "1002:7551", index: 1}}
+  - {name: xtx-0, match: {bdf: "0000:aa:00.0"}}
+  - {name: xtx-1, match: {bdf: "0000:b0:00.0"}}
+kernel: {udev: false}
+"""
+# Deadline for one alert to travel: scrape 2 s + `for:` (<= 15 s scaled) + evaluation 1 s +
+# Alertmanager group_wait 1 s, with room for a loaded 2-core CI machine.
+TRAVEL_S = 45
+
+
+@pytest.fixture
+def stack(tmp_path):
+    """Everything but gpuguard's faults, torn down in reverse order."""
+    from engines.engines_harness import SimEngine
+
+    parts: list = []
+    receiver = WebhookReceiver()
+    try:
+        sim = Sim(tmp_path)
+        parts.append(sim)
+        engine = SimEngine("vllm")
+        parts.append(engine)
+        cfg = CONFIG + "engines:\n" + (
+            f"  - {{name: vllm-a, kind: vllm, url: \"{engine.url}\", process: {{pid_file: null, cmdline: "
+            f"'gpuguard.sim.engines --kind vllm --port {engine.port}'}}, gpus: [xtx-0], stall_after: 2, "
+            "poll_interval: 0.25, http_timeout: 0.5, grace: 1, action: kill}\n")
+        gg = Gpuguard(tmp_path, sim.mount, cfg)
+        parts.append(gg)
+        am = Alertmanager(tmp_path, receiver.url)
+        parts.append(am)
+        fors = render_rules(tmp_path / "alerts.test.yml")
+        prom = Prometheus(tmp_path, tmp_path / "alerts.test.yml", gg.port, am.port)
+        parts.append(prom)
+        yield dict(sim=sim, engine=engine, gpuguard=gg, am=am, prom=prom, fors=fors,
+                   sent=Notifications(receiver), tmp=tmp_path)
+    finally:
+        for p in reversed(parts):
+            p.stop()
+        receiver.close()
+
+
+def _once(sent: Notifications, alertname: str, **labels) -> dict:
+    """The alert's firing notifications: exactly one (one fault, one page)."""
+    got = sent.wait(alertname, TRAVEL_S, **labels)
+    return got
+
+
+def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack):
+    sim, engine, gg, am, prom, sent = (stack[k] for k in ("sim", "engine", "gpuguard", "am", "prom", "sent"))
+    t_start = time.monotonic()
+    poll_until(lambda: prom.query('gpuguard_gpu_up{gpu="xtx-1"}'), TRAVEL_S, "first scrape of gpuguard")
+
+    # -- faults, all at once: the alerts are independent and each is one page ---------------
+    sim.ctl("set_load", bdf=XTX0, level=1.0)  # the Gen2 switch hop is flagged while the card works (§4)
+    sim.ctl("aer_error", bdf=XTX0, name="CmpltTO", severity="nonfatal")
+    sim.ctl("aer_error", bdf=XTX0, name="MalfTLP", severity="fatal")  # the label clash of issue 21
+    emergency = int(next(sim.mount.glob(f"sys/bus/pci/devices/{XTX1}/hwmon/hwmon*/temp2_emergency")).read_text())
+    sim.ctl("garbage", bdf=XTX1, file="temp2_input", text=f"{emergency + 1000}\n")  # junction 1 °C over
+    engine.control("requests", count=2, max_tokens=100000)
+    poll_until(lambda: gg.metric('gpuguard_engine_requests_running{engine="vllm-a"}'), TRAVEL_S, "requests running")
+    engine.control("stall")  # `action: kill`: the stalled gauge lasts ~50 ms (issue 21)
+
+    link = _once(sent, "GpuguardPcieLinkDowngraded", gpu="xtx-0")
+    aer_nonfatal = _once(sent, "GpuguardPcieUncorrectableErrors", aer_severity="nonfatal")
+    aer_fatal = _once(sent, "GpuguardPcieUncorrectableErrors", aer_severity="fatal")
+    temp = _once(sent, "GpuguardTemperatureEmergency", gpu="xtx-1", sensor="junction")
+    stalled = _once(sent, "GpuguardEngineStalled", engine="vllm-a")
+    assert aer_nonfatal[0]["bdf"] == XTX0 and aer_nonfatal[0]["gpu"] == "xtx-0" and aer_nonfatal[0]["severity"] == "warning"
+    assert aer_fatal[0]["gpu"] == "xtx-0"
+    assert temp[0]["severity"] == "critical" and stalled[0]["severity"] == "critical"
+    # The near-emergency alert is muted by the emergency one (shipped inhibit rule), not sent.
+    near = poll_until(lambda: [a for a in am.alerts() if a["labels"]["alertname"] == "GpuguardTemperatureNearEmergency"
+                               and a["labels"].get("gpu") == "xtx-1"], TRAVEL_S, "NearEmergency at Alertmanager")
+    assert near[0]["status"]["state"] == "suppressed" and near[0]["status"]["inhibitedBy"], near
+
+    # -- the temperature comes back: resolved, once -------------------------------------------
+    sim.ctl("clear_garbage", bdf=XTX1, file="temp2_input")
+    sent.wait("GpuguardTemperatureEmergency", TRAVEL_S, status="resolved", gpu="xtx-1")
+
+    # -- a GPU falls off the bus ----------------------------------------------------------------
+    sim.ctl("lose_gpu", bdf=XTX1)
+    sim.ctl("step", dt=1.0)  # the card leaves the tree (the simulator's next step)
+    down = _once(sent, "GpuguardGpuDown", gpu="xtx-1")
+    assert down[0]["severity"] == "critical"
+
+    # -- gpuguard dies: GpuguardDown fires; the lost GPU stays firing (held), not resolved -------
+    gg.stop(signal.SIGKILL)
+    _once(sent, "GpuguardDown")
+    _once(sent, "GpuguardAbsent")
+    held = poll_until(lambda: [a for a in am.alerts() if a["labels"]["alertname"] == "GpuguardGpuDown"
+                               and a["status"]["state"] == "suppressed"], TRAVEL_S,
+                      "GpuguardGpuDown held and inhibited by GpuguardDown")
+    assert held[0]["labels"]["gpu"] == "xtx-1"
+    # Two more evaluations and an Alertmanager group interval: still no resolution of it.
+    t_down = time.monotonic()
+    poll_until(lambda: time.monotonic() - t_down > 3 and prom.query('ALERTS{alertname="GpuguardGpuDown"}'), TRAVEL_S,
+               "GpuguardGpuDown still active in Prometheus after gpuguard died")
+    assert sent.of("GpuguardGpuDown", status="resolved") == []
+
+    # -- over the whole run ----------------------------------------------------------------------
+    rules = prom.rules()
+    assert {r["name"]: r.get("lastError") for r in rules if r["health"] != "ok"} == {}
+    firing = [(t, l) for t, s, l in sent.all() if s == "firing"]
+    keys = [tuple(sorted(l.items())) for _, l in firing]
+    dup = {k for k in keys if keys.count(k) > 1}
+    assert dup == set(), f"alerts paged more than once: {dup}"
+    assert not [l for _, l in firing if l.get("gpu", "").startswith("card")], "an alert names a GPU by its cardN"
+    # One link-downgrade page per GPU, not one per end of the slow link.
+    assert len(sent.of("GpuguardPcieLinkDowngraded")) == len({l["gpu"] for l in sent.of("GpuguardPcieLinkDowngraded")})
+    assert link[0]["gpu"] == "xtx-0"
+    # Every page came from a fault this test drove (the incident host's standing findings included).
+    expected = {"GpuguardPcieLinkDowngraded", "GpuguardPcieUncorrectableErrors", "GpuguardTemperatureEmergency",
+                "GpuguardEngineStalled", "GpuguardGpuDown", "GpuguardDown", "GpuguardAbsent",
+                "GpuguardLargeBarInactive", "GpuguardEngineDown", "GpuguardTemperatureNearEmergency"}
+    assert {l["alertname"] for _, l in firing} <= expected, sent.summary()
+    assert time.monotonic() - t_start < 170, "the end-to-end run must stay within ~3 minutes"
