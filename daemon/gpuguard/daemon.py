@@ -30,6 +30,7 @@ from gpuguard.kernel.kmsg import KmsgError, KmsgReader
 from gpuguard.kernel.router import KernelEventRouter
 from gpuguard.kernel.rules import Rules, RulesError
 from gpuguard.kernel.udev import UdevError, UdevMonitor
+from gpuguard.policy.gpu_conditions import GpuConditions
 from gpuguard.policy.kernel_actions import KernelActions
 from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
@@ -110,6 +111,8 @@ class Daemon:
         self.on_serving: list[Callable[[], Any]] = []  # after READY=1 (the demo's banner)
         # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
         self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
+        # Thermal emergency / power at cap as events too, not only Prometheus alerts (issue 21).
+        self.poller.on_cycle.append(GpuConditions(self.hub.publish).observe)
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:

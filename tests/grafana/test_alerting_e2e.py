@@ -46,13 +46,14 @@ def stack(tmp_path):
     from engines.engines_harness import SimEngine
 
     parts: list = []
-    receiver = WebhookReceiver()
+    receiver = WebhookReceiver()  # Alertmanager's
+    events = WebhookReceiver()  # gpuguard's own webhooks
     try:
         sim = Sim(tmp_path)
         parts.append(sim)
         engine = SimEngine("vllm")
         parts.append(engine)
-        cfg = CONFIG + "engines:\n" + (
+        cfg = CONFIG + f"webhooks: [{{url: \"{events.url}\", retries: 0}}]\nengines:\n" + (
             f"  - {{name: vllm-a, kind: vllm, url: \"{engine.url}\", process: {{pid_file: null, cmdline: "
             f"'gpuguard.sim.engines --kind vllm --port {engine.port}'}}, gpus: [xtx-0], stall_after: 2, "
             "poll_interval: 0.25, http_timeout: 0.5, grace: 1, action: kill}\n")
@@ -64,11 +65,12 @@ def stack(tmp_path):
         prom = Prometheus(tmp_path, tmp_path / "alerts.test.yml", gg.port, am.port)
         parts.append(prom)
         yield dict(sim=sim, engine=engine, gpuguard=gg, am=am, prom=prom, fors=fors,
-                   sent=Notifications(receiver), tmp=tmp_path)
+                   sent=Notifications(receiver), events=events, tmp=tmp_path)
     finally:
         for p in reversed(parts):
             p.stop()
         receiver.close()
+        events.close()
 
 
 def _once(sent: Notifications, alertname: str, **labels) -> dict:
@@ -104,10 +106,14 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
     near = poll_until(lambda: [a for a in am.alerts() if a["labels"]["alertname"] == "GpuguardTemperatureNearEmergency"
                                and a["labels"].get("gpu") == "xtx-1"], TRAVEL_S, "NearEmergency at Alertmanager")
     assert near[0]["status"]["state"] == "suppressed" and near[0]["status"]["inhibitedBy"], near
+    # gpuguard's own event for it, once (issue 21: only Prometheus knew).
+    (_, ev), = poll_until(lambda: stack["events"].events("thermal_emergency"), TRAVEL_S, "the thermal_emergency webhook")
+    assert (ev["gpu"], ev["severity"], ev["fields"]["sensor"]) == ("xtx-1", "critical", "junction"), ev
 
     # -- the temperature comes back: resolved, once -------------------------------------------
     sim.ctl("clear_garbage", bdf=XTX1, file="temp2_input")
     sent.wait("GpuguardTemperatureEmergency", TRAVEL_S, status="resolved", gpu="xtx-1")
+    assert len(stack["events"].events("thermal_emergency")) == 1
 
     # -- a GPU falls off the bus ----------------------------------------------------------------
     sim.ctl("lose_gpu", bdf=XTX1)
