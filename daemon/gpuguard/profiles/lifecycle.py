@@ -141,6 +141,9 @@ class ProfileRuntime:
                 observed, findings = effective_findings(snap.gpus, assigned, self.cfg.apply.effective_busy_ratio,
                                                         self.cfg.apply.effective_tolerance_ratio)
                 self.ledger.set_effective({g: (assigned[g][0], mhz) for g, mhz in observed.items()}, findings)
+        for g in snap.gpus:
+            if g.bdf in self.daemon.poller.lost or self.daemon.hub.is_lost(g.bdf):
+                self.ledger.mark_lost(g.name)
         self._set_view()
         # systemd's STATUS= line (and /v1/status's summary) name unverified GPUs
         self.daemon.hub.notes["profiles"] = self.status_note()
