@@ -80,7 +80,8 @@ class Daemon:
             timeout=config.poll.timeout_seconds,
             discover_every=config.poll.discover_seconds,
         )
-        self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds)
+        self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds,
+                              gpu_names=lambda: dict(self.poller.names))
         self.metrics.add_producer(
             PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=lambda: dict(self.poller.names)).collect
         )

@@ -32,7 +32,9 @@ gpus:
   - {name: r9700-a, match: {pci_id: "1002:7551", index: 0}}
   - {name: r9700-b, match: {pci_id: "1002:7551", index: 1}}
   - {name: xtx-0, match: {bdf: "0000:aa:00.0"}}
-  - {name: xtx-1, match: {bdf: "0000:b0:00.0"}}
+  - {name: xtx-1, match: {bdf: "0000:b0:00.0"}, profile: xtx-2000}
+profiles:
+  xtx-2000: {sclk_max_mhz: 2000, vddgfx_offset_mv: -100}
 kernel: {udev: false}
 """
 # Deadline for one alert to travel: scrape 2 s + `for:` (<= 15 s scaled) + evaluation 1 s +
@@ -120,6 +122,12 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
     sim.ctl("step", dt=1.0)  # the card leaves the tree (the simulator's next step)
     down = _once(sent, "GpuguardGpuDown", gpu="xtx-1")
     assert down[0]["severity"] == "critical"
+    # Its profile is "lost", not still verified (issue 21); that alert is muted by GpuDown.
+    poll_until(lambda: gg.metric('gpuguard_profile_verified{gpu="xtx-1",profile="xtx-2000"}') == 0.0, TRAVEL_S,
+               "xtx-1's profile no longer verified")
+    muted = poll_until(lambda: [a for a in am.alerts() if a["labels"]["alertname"] == "GpuguardProfileUnverified"],
+                       TRAVEL_S, "GpuguardProfileUnverified at Alertmanager")
+    assert muted[0]["labels"]["gpu"] == "xtx-1" and muted[0]["status"]["state"] == "suppressed", muted
 
     # -- gpuguard dies: GpuguardDown fires; the lost GPU stays firing (held), not resolved -------
     gg.stop(signal.SIGKILL)

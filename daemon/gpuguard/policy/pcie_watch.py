@@ -6,6 +6,7 @@ minute, and again if it comes back after having cleared."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Callable, Mapping
 
@@ -28,8 +29,10 @@ class PcieWatch:
         expected: Callable[[], Mapping[str, ExpectedLink]] = dict,
         interval: float = 60.0,
         timeout: float = 30.0,
+        gpu_names: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.hub = hub
+        self.gpu_names = gpu_names  # bdf -> configured name, so events carry `gpu` (issue 21)
         self.root = root
         self.expected = expected
         self.interval = interval
@@ -69,9 +72,20 @@ class PcieWatch:
             key = (f.check, f.where, f.what)
             now.add(key)
             if key not in self.active:
-                self.hub.publish(ev)
+                self.hub.publish(self._named(ev, report))
         self.active = now
         return report
+
+    def _named(self, ev, report: PcieReport):
+        """The event with the configured name of its GPU: the finding's address is the GPU's,
+        or a hop on the path of one or more GPUs (a shared switch port names them all)."""
+        if ev.gpu is not None or ev.bdf is None:
+            return ev
+        names = self.gpu_names()
+        gpus = [names.get(g.bdf, g.bdf) for g in report.gpus
+                if g.bdf == ev.bdf or any(h.bdf == ev.bdf for h in g.hops)]
+        name = names.get(ev.bdf) or ",".join(sorted(set(gpus))) or None
+        return dataclasses.replace(ev, gpu=name) if name else ev
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
