@@ -8,7 +8,8 @@ by the shipped Alertmanager example), not resolved.
 The rules are the shipped expressions with `for:` scaled 1 min -> 3 s (alerting_stack.py).
 Rules proven here end to end: GpuguardPcieLinkDowngraded, GpuguardPcieUncorrectableErrors,
 GpuguardTemperatureEmergency (+ the NearEmergency inhibition), GpuguardEngineStalled (with
-`action: kill`), GpuguardGpuDown, GpuguardDown, GpuguardAbsent. The others are proven by
+`action: kill`), GpuguardCacheZeroByteFiles, GpuguardWebhookFailing, GpuguardGpuDown (+ the
+ProfileUnverified inhibition of a lost card), GpuguardDown, GpuguardAbsent. The others are proven by
 the promtool unit tests (grafana/alerts_test.yml) and test_prometheus.py."""
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import pytest
 from support import WebhookReceiver, poll_until
 
 from grafana.alerting_stack import (ALERTMANAGER, PROMETHEUS, REPO, Alertmanager, Gpuguard, Notifications, Prometheus,
-                                    Sim, render_rules)
+                                    Sim, free_port, render_rules)
 
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None or ALERTMANAGER is None,
@@ -59,10 +60,18 @@ def stack(tmp_path):
         parts.append(sim)
         engine = SimEngine("vllm")
         parts.append(engine)
-        cfg = CONFIG + f"webhooks: [{{url: \"{events.url}\", retries: 0}}]\nengines:\n" + (
+        # INCIDENTS §7: a compile cache with zero-byte files left by a power loss.
+        cache = tmp_path / "torch-compile"
+        cache.mkdir()
+        for i in range(49):
+            (cache / f"fxgraph-{i}.bin").touch()
+        dead_hook = f"http://127.0.0.1:{free_port()}/nobody-listens"  # a receiver that never works
+        cfg = CONFIG + (f"webhooks: [{{url: \"{events.url}\", retries: 0}}, {{url: \"{dead_hook}\", retries: 0}}]\n"
+                        "engines:\n") + (
             f"  - {{name: vllm-a, kind: vllm, url: \"{engine.url}\", process: {{pid_file: null, cmdline: "
             f"'gpuguard.sim.engines --kind vllm --port {engine.port}'}}, gpus: [xtx-0], stall_after: 2, "
-            "poll_interval: 0.25, http_timeout: 0.5, grace: 1, action: kill}\n")
+            "poll_interval: 0.25, http_timeout: 0.5, grace: 1, action: kill, cache_scan_interval: 1, "
+            f"caches: [{{name: vllm-torch-compile, path: \"{cache}\"}}]}}\n")
         gg = Gpuguard(tmp_path, sim.mount, cfg)
         parts.append(gg)
         am = Alertmanager(tmp_path, receiver.url)
@@ -70,7 +79,7 @@ def stack(tmp_path):
         fors = render_rules(tmp_path / "alerts.test.yml")
         prom = Prometheus(tmp_path, tmp_path / "alerts.test.yml", gg.port, am.port)
         parts.append(prom)
-        yield dict(sim=sim, engine=engine, gpuguard=gg, am=am, prom=prom, fors=fors,
+        yield dict(sim=sim, engine=engine, gpuguard=gg, am=am, prom=prom, fors=fors, dead_hook=dead_hook,
                    sent=Notifications(receiver), events=events, tmp=tmp_path)
     finally:
         for p in reversed(parts):
@@ -105,6 +114,12 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
     aer_fatal = _once(sent, "GpuguardPcieUncorrectableErrors", aer_severity="fatal")
     temp = _once(sent, "GpuguardTemperatureEmergency", gpu="xtx-1", sensor="junction")
     stalled = _once(sent, "GpuguardEngineStalled", engine="vllm-a")
+    _once(sent, "GpuguardCacheZeroByteFiles", cache="vllm-torch-compile")
+    # The stall, the kill and the thermal emergency all failed to reach the dead receiver:
+    # three failures within 15 minutes (the URL label is redacted: paths carry secrets).
+    from gpuguard.sinks.notifier import redact_url
+
+    _once(sent, "GpuguardWebhookFailing", url=redact_url(stack["dead_hook"]))
     assert aer_nonfatal[0]["bdf"] == XTX0 and aer_nonfatal[0]["gpu"] == "xtx-0" and aer_nonfatal[0]["severity"] == "warning"
     assert aer_fatal[0]["gpu"] == "xtx-0"
     assert temp[0]["severity"] == "critical" and stalled[0]["severity"] == "critical"
@@ -161,7 +176,8 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
     # Every page came from a fault this test drove (the incident host's standing findings included).
     expected = {"GpuguardPcieLinkDowngraded", "GpuguardPcieUncorrectableErrors", "GpuguardTemperatureEmergency",
                 "GpuguardEngineStalled", "GpuguardGpuDown", "GpuguardDown", "GpuguardAbsent",
-                "GpuguardLargeBarInactive", "GpuguardEngineDown", "GpuguardTemperatureNearEmergency"}
+                "GpuguardLargeBarInactive", "GpuguardEngineDown", "GpuguardTemperatureNearEmergency",
+                "GpuguardCacheZeroByteFiles", "GpuguardWebhookFailing"}
     assert {l["alertname"] for _, l in firing} <= expected, sent.summary()
     assert time.monotonic() - t_start < 170, "the end-to-end run must stay within ~3 minutes"
 
