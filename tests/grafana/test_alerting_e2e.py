@@ -8,8 +8,10 @@ by the shipped Alertmanager example), not resolved.
 The rules are the shipped expressions with `for:` scaled 1 min -> 3 s (alerting_stack.py).
 Rules proven here end to end: GpuguardPcieLinkDowngraded, GpuguardPcieUncorrectableErrors,
 GpuguardTemperatureEmergency (+ the NearEmergency inhibition), GpuguardEngineStalled (with
-`action: kill`), GpuguardCacheZeroByteFiles, GpuguardWebhookFailing, GpuguardGpuDown (+ the
-ProfileUnverified inhibition of a lost card), GpuguardDown, GpuguardAbsent. The others are proven by
+`action: kill`), GpuguardCacheZeroByteFiles, GpuguardWebhookFailing, GpuguardProfileApplyFailing
+(first refusal), GpuguardProfileUnverified, GpuguardGpuDown (+ the ProfileUnverified inhibition of
+a lost card), GpuguardDown, GpuguardAbsent; GpuguardLargeBarInactive and GpuguardEngineDown may
+fire on the way (the XTX small BAR; the killed engine) and are held to once like the rest. The others are proven by
 the promtool unit tests (grafana/alerts_test.yml) and test_prometheus.py."""
 from __future__ import annotations
 
@@ -35,11 +37,12 @@ CONFIG = """
 poll: {interval_seconds: 0.25, discover_seconds: 1, pcie_interval_seconds: 1}
 gpus:
   - {name: r9700-a, match: {pci_id: "1002:7551", index: 0}}
-  - {name: r9700-b, match: {pci_id: "1002:7551", index: 1}}
+  - {name: r9700-b, match: {pci_id: "1002:7551", index: 1}, profile: over-cap}
   - {name: xtx-0, match: {bdf: "0000:aa:00.0"}}
   - {name: xtx-1, match: {bdf: "0000:b0:00.0"}, profile: xtx-2000}
 profiles:
   xtx-2000: {sclk_max_mhz: 2000, vddgfx_offset_mv: -100}
+  over-cap: {power_cap_w: 900}  # beyond the R9700's 300 W cap range: refused, nothing written
 kernel: {udev: false}
 """
 # Deadline for one alert to travel: scrape 2 s + `for:` (<= 15 s scaled) + evaluation 1 s +
@@ -115,6 +118,10 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
     temp = _once(sent, "GpuguardTemperatureEmergency", gpu="xtx-1", sensor="junction")
     stalled = _once(sent, "GpuguardEngineStalled", engine="vllm-a")
     _once(sent, "GpuguardCacheZeroByteFiles", cache="vllm-torch-compile")
+    # The first refusal of a profile: a counter series born at 1 (issue 21: increase() saw 0).
+    refused = _once(sent, "GpuguardProfileApplyFailing", gpu="r9700-b", result="refused")
+    assert refused[0]["profile"] == "over-cap"
+    _once(sent, "GpuguardProfileUnverified", gpu="r9700-b")
     # The stall, the kill and the thermal emergency all failed to reach the dead receiver:
     # three failures within 15 minutes (the URL label is redacted: paths carry secrets).
     from gpuguard.sinks.notifier import redact_url
@@ -144,9 +151,10 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
     # Its profile is "lost", not still verified (issue 21); that alert is muted by GpuDown.
     poll_until(lambda: gg.metric('gpuguard_profile_verified{gpu="xtx-1",profile="xtx-2000"}') == 0.0, TRAVEL_S,
                "xtx-1's profile no longer verified")
-    muted = poll_until(lambda: [a for a in am.alerts() if a["labels"]["alertname"] == "GpuguardProfileUnverified"],
-                       TRAVEL_S, "GpuguardProfileUnverified at Alertmanager")
-    assert muted[0]["labels"]["gpu"] == "xtx-1" and muted[0]["status"]["state"] == "suppressed", muted
+    muted = poll_until(lambda: [a for a in am.alerts() if a["labels"]["alertname"] == "GpuguardProfileUnverified"
+                                and a["labels"]["gpu"] == "xtx-1"], TRAVEL_S, "xtx-1's GpuguardProfileUnverified at Alertmanager")
+    assert muted[0]["status"]["state"] == "suppressed" and muted[0]["status"]["inhibitedBy"], muted
+    assert sent.of("GpuguardProfileUnverified", gpu="xtx-1") == []
 
     # -- gpuguard dies: GpuguardDown fires; the lost GPU stays firing (held), not resolved -------
     gg.stop(signal.SIGKILL)
@@ -177,7 +185,8 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
     expected = {"GpuguardPcieLinkDowngraded", "GpuguardPcieUncorrectableErrors", "GpuguardTemperatureEmergency",
                 "GpuguardEngineStalled", "GpuguardGpuDown", "GpuguardDown", "GpuguardAbsent",
                 "GpuguardLargeBarInactive", "GpuguardEngineDown", "GpuguardTemperatureNearEmergency",
-                "GpuguardCacheZeroByteFiles", "GpuguardWebhookFailing"}
+                "GpuguardCacheZeroByteFiles", "GpuguardWebhookFailing", "GpuguardProfileApplyFailing",
+                "GpuguardProfileUnverified"}
     assert {l["alertname"] for _, l in firing} <= expected, sent.summary()
     assert time.monotonic() - t_start < 170, "the end-to-end run must stay within ~3 minutes"
 
