@@ -155,6 +155,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except ImportError as e:  # mfusepy comes with the [test] extra, not a plain install
             reason = f"{e.name or 'mfusepy'} is not installed (pip install mfusepy)"
             fuse_mount = None
+        except OSError as e:  # mfusepy is there but libfuse is not (or FUSE_LIBRARY_NAME says none)
+            reason = f"libfuse cannot be loaded ({e})"
+            fuse_mount = None
         else:
             reason = fuse_available()
         if reason:
