@@ -198,12 +198,32 @@ class Prometheus(Proc):
     def query(self, q: str) -> list[dict]:
         return self.api.get("/query", params={"query": q}).json()["data"]["result"]
 
+    def active_at(self) -> dict[tuple, float]:
+        """When each alert of the last 10 minutes went pending (ALERTS_FOR_STATE), by sorted labels."""
+        out = {}
+        for r in self.query("last_over_time(ALERTS_FOR_STATE[10m])"):
+            labels = {k: v for k, v in r["metric"].items() if k != "__name__"}
+            out[tuple(sorted(labels.items()))] = float(r["value"][1])
+        return out
+
     def rules(self) -> list[dict]:
         return [r for g in self.api.get("/rules").json()["data"]["groups"] for r in g["rules"]]
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.api.close()
         super().stop(sig)
+
+
+def rfc3339(ts: str) -> float:
+    """Alertmanager's timestamps carry nanoseconds; Python reads microseconds."""
+    import datetime
+
+    m = re.match(r"(.*?T\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$", ts)
+    assert m, f"not an RFC 3339 time: {ts!r}"
+    base, frac, zone = m.groups()
+    frac = (frac or "0")[:6]
+    zone = "+00:00" if zone == "Z" else zone
+    return datetime.datetime.fromisoformat(f"{base}.{frac.ljust(6, '0')}{zone}").timestamp()
 
 
 class Notifications:
@@ -214,6 +234,18 @@ class Notifications:
 
     def all(self) -> list[tuple[float, str, dict]]:
         return [(t, a["status"], a["labels"]) for t, body in list(self.receiver.got) for a in body["alerts"]]
+
+    def delays(self, active_at: dict[tuple, float]) -> list[tuple[str, float]]:
+        """(alertname, seconds) from the moment Prometheus first saw each firing alert's
+        condition (`active_at`, by sorted label items; else its startsAt, which is when it
+        fired: the same for `for: 0s`) to its arrival at the receiver."""
+        out = []
+        for t, body in list(self.receiver.got):
+            for a in body["alerts"]:
+                if a["status"] == "firing":
+                    since = active_at.get(tuple(sorted(a["labels"].items())), rfc3339(a["startsAt"]))
+                    out.append((a["labels"]["alertname"], t - since))
+        return out
 
     def of(self, alertname: str, status: str = "firing", **labels) -> list[dict]:
         return [l for _, s, l in self.all() if s == status and l["alertname"] == alertname

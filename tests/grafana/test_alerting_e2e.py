@@ -48,6 +48,7 @@ kernel: {udev: false}
 # Deadline for one alert to travel: scrape 2 s + `for:` (<= 15 s scaled) + evaluation 1 s +
 # Alertmanager group_wait 1 s, with room for a loaded 2-core CI machine.
 TRAVEL_S = 45
+SLACK_S = 8
 
 
 @pytest.fixture
@@ -188,6 +189,13 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
                 "GpuguardCacheZeroByteFiles", "GpuguardWebhookFailing", "GpuguardProfileApplyFailing",
                 "GpuguardProfileUnverified"}
     assert {l["alertname"] for _, l in firing} <= expected, sent.summary()
+    # Each page arrived within its `for:` plus two evaluation intervals (1 s) and Alertmanager's
+    # group_wait (1 s) of the moment Prometheus first saw the condition (ALERTS_FOR_STATE), with
+    # SLACK_S for a loaded CI machine (a rule group evaluated late, a slow webhook thread).
+    delays = sent.delays(prom.active_at())
+    late = [(name, round(d, 1), stack["fors"][name]) for name, d in delays
+            if d > stack["fors"][name] + 2 * 1 + 1 + SLACK_S]
+    assert late == [], f"pages later than for + 2 evaluations + group_wait (+{SLACK_S} s): {late}"
     assert time.monotonic() - t_start < 170, "the end-to-end run must stay within ~3 minutes"
 
 

@@ -14,6 +14,8 @@ EXTRA_NAMES = {
     "gpuguard_gpu_runtime_suspended",
     # Prometheus' own per-target scrape health, used by GpuguardDown.
     "up",
+    # Prometheus' own alert series: a gauge rule holds its firing alert while gpuguard is down (issue 21).
+    "ALERTS",
     # NVIDIA health through NVML (issue 18, sinks/nvml_metrics.py; README "NVIDIA hosts").
     "gpuguard_gpu_throttle",
     "gpuguard_gpu_throttle_seconds_total",
