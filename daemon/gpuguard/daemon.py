@@ -33,6 +33,7 @@ from gpuguard.kernel.router import KernelEventRouter
 from gpuguard.kernel.rules import Rules, RulesError
 from gpuguard.kernel.udev import UdevError, UdevMonitor
 from gpuguard.policy.gpu_lifecycle import GpuLifecycle
+from gpuguard.policy.gpu_conditions import GpuConditions
 from gpuguard.policy.kernel_actions import KernelActions
 from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
 from gpuguard.policy.pcie_watch import PcieWatch
@@ -93,7 +94,8 @@ class Daemon:
             discover_every=config.poll.discover_seconds,
         )
         self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds,
-                              history_path=os.path.join(config.state_dir, PCIE_HISTORY_FILE))
+                              history_path=os.path.join(config.state_dir, PCIE_HISTORY_FILE),
+                              gpu_names=self.gpus.names)
         self.metrics.add_producer(
             PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect
         )
@@ -140,6 +142,8 @@ class Daemon:
         self.profiles: Any = None  # set by profiles.attach
         # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
         self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
+        # Thermal emergency / power at cap as events too, not only Prometheus alerts (issue 21).
+        self.poller.on_cycle.append(GpuConditions(self.hub.publish).observe)
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from gpuguard.engines.metrics import engine_metrics
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import alive, engine_cfg, run_watchdog_until
@@ -62,6 +63,11 @@ def test_stalled_vllm_killed_with_engine_core(sims):
     kinds = [e.kind for e in events]
     assert "engine_stalled" in kinds and "engine_killed" in kinds
     assert wd.actions_total() == {("vllm0", "kill", "heartbeat_flat"): 1}
+    # The stalled gauge was 1 only until the kill; the counter keeps the stall for Prometheus (issue 21).
+    assert wd.stalls_total() == {("vllm0", "heartbeat_flat"): 1}
+    fams = {m.name: m for m in engine_metrics(wd)}
+    assert [(s.labels, s.value) for s in fams["gpuguard_engine_stalls"].samples if s.name.endswith("_total")] \
+        == [({"engine": "vllm0", "reason": "heartbeat_flat"}, 1.0)]
 
 
 def test_stalled_engine_ignoring_sigterm_gets_sigkill(sims):

@@ -19,6 +19,8 @@ EXTRA_NAMES = {
     "gpuguard_gpu_power_peak_watts",
     # Prometheus' own per-target scrape health, used by GpuguardDown.
     "up",
+    # Prometheus' own alert series: a gauge rule holds its firing alert while gpuguard is down (issue 21).
+    "ALERTS",
     # NVIDIA health through NVML (issue 18, sinks/nvml_metrics.py; README "NVIDIA hosts").
     "gpuguard_gpu_throttle",
     "gpuguard_gpu_throttle_seconds_total",
@@ -31,6 +33,9 @@ EXTRA_NAMES = {
     "gpuguard_gpu_pcie_tx_bytes_total",
     "gpuguard_gpu_pcie_rx_bytes_total",
     "gpuguard_gpu_process_vram_used_bytes",
+    # Stall episodes (issue 21, engines/metrics.py): with `action: kill` the stalled gauge is 1
+    # for ~50 ms, never scraped; GpuguardEngineStalled reads this counter too.
+    "gpuguard_engine_stalls_total",
 }
 # METRICS.md metrics the dashboard deliberately leaves out, and why.
 NOT_ON_DASHBOARD = {

@@ -82,7 +82,7 @@ def _until(what: str, check, proc: subprocess.Popen, deadline: float):
             pytest.fail(f"prometheus exited with {proc.returncode} while waiting for {what} (see prometheus.log)")
         try:
             last = check()
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, ValueError) as e:  # ValueError: "Service Unavailable" text before ready
             last = e
         else:
             if last is not None and last is not False:

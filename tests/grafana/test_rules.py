@@ -89,3 +89,26 @@ def test_every_rule_is_tested_firing_and_not_firing(alert_rules, alert_tests):
         for t in case.get("alert_rule_test", []):
             for a in t.get("exp_alerts") or []:
                 assert a.get("exp_annotations", {}).get("description"), (t["alertname"], t["eval_time"])
+
+
+def test_alertmanager_example_is_valid_and_inhibits_per_gpu_alerts_while_gpuguard_is_down(tmp_path):
+    """grafana/alertmanager.example.yml: amtool accepts it; GpuguardDown mutes the other gpuguard
+    alerts of its instance (they are held by alerts.yml, not resolved: issue 21)."""
+    import shutil
+    import subprocess
+
+    import pytest
+    import yaml
+
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "grafana" / "alertmanager.example.yml"
+    amtool = shutil.which("amtool")
+    if amtool is None:
+        pytest.skip("amtool not installed (Debian package `prometheus-alertmanager`)")
+    p = subprocess.run([amtool, "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rules = yaml.safe_load(path.read_text())["inhibit_rules"]
+    down = [r for r in rules if r["source_matchers"] == ['alertname="GpuguardDown"']]
+    assert down and down[0]["equal"] == ["instance"]
+    assert 'alertname!~"GpuguardDown|GpuguardAbsent"' in down[0]["target_matchers"]

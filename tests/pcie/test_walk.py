@@ -274,8 +274,10 @@ def test_metric_samples(incident):
     assert by[("gpuguard_pcie_link_downgraded", slot)] == 1.0
     assert by[("gpuguard_gpu_pcie_bottleneck_bytes_per_second", (("gpu", "xtx0"),))] == pytest.approx(8e9)
     assert by[("gpuguard_gpu_bar_bytes", (("bar", "0"), ("gpu", "xtx0")))] == 256 << 20
-    assert by[("gpuguard_pcie_aer_errors_total", (("bdf", "0000:a0:02.0"), ("severity", "correctable")))] == 3
-    # The root port is shared by two GPUs: its AER counter appears once.
+    # The root port is shared by two GPUs: its AER counter appears once, naming both.
+    shared = ",".join(sorted(["xtx0", f"card{XTX[1]}"]))
+    assert by[("gpuguard_pcie_aer_errors_total",
+               (("bdf", "0000:a0:02.0"), ("gpu", shared), ("severity", "correctable")))] == 3
     aer = [s for s in ss if s.name == "gpuguard_pcie_aer_errors_total" and s.labels["bdf"] == "0000:a0:02.0"]
     assert len(aer) == 3
 

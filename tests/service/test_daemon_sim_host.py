@@ -58,6 +58,7 @@ def test_link_downgrade_alert_reaches_the_webhook_within_a_second(tmp_path, rece
         arrived, body = hits[0]
         ev = body["event"]
         assert ev["severity"] == "alert" and ev["bdf"] == XTX and "a7:00.0→a8:00.0" in ev["message"]
+        assert ev["gpu"] == "xtx-0"  # the configured name, not null (issue 21)
         assert arrived - ev["time"] < 1.0, f"delivered {arrived - ev['time']:.3f} s after it was declared"
         assert all(b["event"]["severity"] in ("alert", "critical") for _, b in receiver.got)
 

@@ -41,9 +41,13 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
                                   labels=["engine", "action", "reason"])
     for (engine, action, reason), n in sorted(wd.actions_total().items()):
         actions.add_metric([engine, action, reason], n)
+    stalls = CounterMetricFamily("gpuguard_engine_stalls", "Stall episodes declared by the watchdog",
+                                 labels=["engine", "reason"])
+    for (engine, reason), n in sorted(wd.stalls_total().items()):
+        stalls.add_metric([engine, reason], n)
     caches = GaugeMetricFamily("gpuguard_cache_zero_byte_files", "Zero-byte files in a compile cache (INCIDENTS §7)",
                                labels=["cache"])
     for name, scan in sorted(wd.cache_scans().items()):
         if scan.zero_byte_files is not None:
             caches.add_metric([name], scan.zero_byte_files)
-    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, caches)
+    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, stalls, caches)

@@ -56,6 +56,9 @@ class EngineWatchdog:
         self._stopping = False
         self._engines: dict[str, _Engine] = {}
         self._actions: Counter[tuple[str, str, str]] = Counter()
+        # Stall episodes, counted: the stalled gauge is 1 only until a kill ends the
+        # episode (~50 ms), shorter than any scrape interval (issue 21).
+        self._stalls: Counter[tuple[str, str]] = Counter()
         self._cache_scans: dict[str, CacheScan] = {}
         self._cache_owner: dict[str, str] = {}
         for cfg in configs:
@@ -80,6 +83,10 @@ class EngineWatchdog:
     def actions_total(self) -> dict[tuple[str, str, str], int]:
         """(engine, action, reason) -> count, for gpuguard_engine_actions_total."""
         return dict(self._actions)
+
+    def stalls_total(self) -> dict[tuple[str, str], int]:
+        """(engine, reason) -> stall episodes declared, for gpuguard_engine_stalls_total."""
+        return dict(self._stalls)
 
     def cache_zero_byte_files(self, cache: str) -> int | None:
         """Zero-byte files in the named cache at the last scan; None if never scanned or absent."""
@@ -229,6 +236,8 @@ class EngineWatchdog:
     async def _on_bad(self, e: _Engine, v: Verdict, procs: EngineProcesses | None, now: float) -> None:
         cfg = e.cfg
         kind = "engine_stalled" if v.state == "stalled" else "engine_unhealthy"
+        if v.state == "stalled":
+            self._stalls[(cfg.name, v.reason or "stalled")] += 1
         evidence = dict(e.snapshot.evidence) if e.snapshot else dict(v.evidence)
         msg = (f"engine {cfg.name} {v.state}: {v.reason} (no progress {v.no_progress_seconds:.1f} s, "
                f"window {v.stall_window:.1f} s, running {evidence.get('running')}, "

@@ -1032,6 +1032,12 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
     configured name (default `card` + PCI address). A value that is unknown is left out,
     never exported as zero."""
     aer_seen: set[str] = set()
+    # The GPUs behind each hop, so an AER alert names them (issue 21); a switch or root
+    # port shared by several GPUs names them all, comma-separated, in one series.
+    behind: dict[str, list[str]] = {}
+    for g in report.gpus:
+        for h in g.hops:
+            behind.setdefault(h.bdf, []).append(gpu_names.get(g.bdf, f"card{g.bdf}"))
     for g in report.gpus:
         gpu = gpu_names.get(g.bdf, f"card{g.bdf}")
         for i, h in enumerate(g.hops):
@@ -1052,7 +1058,9 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
             if h.bdf not in aer_seen:
                 aer_seen.add(h.bdf)
                 for sev, n in h.aer.items():
-                    yield Sample("gpuguard_pcie_aer_errors_total", {"bdf": h.bdf, "severity": sev}, float(n), "counter")
+                    yield Sample("gpuguard_pcie_aer_errors_total",
+                                 {"bdf": h.bdf, "gpu": ",".join(sorted(set(behind[h.bdf]))), "severity": sev},
+                                 float(n), "counter")
         bw = g.bottleneck_bytes_per_second
         if bw is not None:
             yield Sample("gpuguard_gpu_pcie_bottleneck_bytes_per_second", {"gpu": gpu}, bw)

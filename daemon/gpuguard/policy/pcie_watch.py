@@ -8,6 +8,7 @@ idling in between is the same fault, not a recovery."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Callable, Iterable, Mapping
@@ -38,8 +39,10 @@ class PcieWatch:
         clear_after: int = 2,
         clock: Callable[[], float] = time.time,
         history_path: str | None = None,
+        gpu_names: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.hub = hub
+        self.gpu_names = gpu_names  # bdf -> configured name, so events carry `gpu` (issue 21)
         self.root = root
         self.expected = expected
         self.interval = interval
@@ -92,8 +95,19 @@ class PcieWatch:
         self.hub.set_view("pcie_findings", tuple(findings))
         current = {(f.check, f.where): ev for f, ev in zip([f for f in findings if f.level != "OK"], events(findings))}
         for ev in self.conditions.update(current):
-            self.hub.publish(ev)
+            self.hub.publish(self._named(ev, report))
         return report
+
+    def _named(self, ev, report: PcieReport):
+        """The event with the configured name of its GPU: the finding's address is the GPU's,
+        or a hop on the path of one or more GPUs (a shared switch port names them all)."""
+        if ev.gpu is not None or ev.bdf is None:
+            return ev
+        names = self.gpu_names()
+        gpus = [names.get(g.bdf, g.bdf) for g in report.gpus
+                if g.bdf == ev.bdf or any(h.bdf == ev.bdf for h in g.hops)]
+        name = names.get(ev.bdf) or ",".join(sorted(set(gpus))) or None
+        return dataclasses.replace(ev, gpu=name) if name else ev
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

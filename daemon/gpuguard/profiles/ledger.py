@@ -4,6 +4,7 @@ Prometheus producer read it; only the profile lifecycle writes it (on the event 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
@@ -51,6 +52,17 @@ class ProfileLedger:
         """(known, profile name): known is False before any write was recorded for `gpu`."""
         with self._lock:
             return (gpu in self.in_effect, self.in_effect.get(gpu))
+
+    def mark_lost(self, gpu: str) -> None:
+        """A card gone from the bus has no profile in effect (issue 21: it kept reporting
+        verified 1): its state becomes `lost`. Not an apply, so not counted; the card gets
+        its profile applied again when it comes back (lifecycle.on_appear)."""
+        with self._lock:
+            r = self.results.get(gpu)
+            if r is not None and r.result != "lost":
+                self.results[gpu] = dataclasses.replace(
+                    r, result="lost", verified=False,
+                    message=f"{gpu} is lost from the bus; profile {r.profile} is applied again when it comes back")
 
     def set_effective(self, observed: Mapping[str, tuple[str, float]], findings: Iterable[ClockFinding]) -> None:
         """This poll's verdicts. A card not under load now was not judged: its last verdict

@@ -236,6 +236,9 @@ class ProfileRuntime:
                     for x in self.ledger.finding_list()
                 }):
                     self._publish(ev)
+        for g in snap.gpus:
+            if self.gpus.is_lost(g.bdf):
+                self.ledger.mark_lost(g.name)
         self._set_view()
         # systemd's STATUS= line (and /v1/status's summary) name unverified GPUs
         self.hub.notes["profiles"] = self.status_note()
