@@ -37,6 +37,9 @@ class EngineActions:
 
     async def restart_engine(self, name: str, who: str) -> dict[str, Any]:
         e = self._engine(name)
+        if not (e.cfg.process.systemd_unit or e.cfg.restart_command):
+            raise ActionRefused(f"engine {name}: no process.systemd_unit or restart_command to restart it with; "
+                                "use kill, or configure one")
         async with e.lock:
             procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
             return await self.wd._restart(e, procs, "api", {}, self.wd._clock(), who=who)

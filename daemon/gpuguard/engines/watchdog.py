@@ -42,6 +42,8 @@ class _Engine:
     polls: int = 0
     last_cache_scan: float | None = None
     procs: EngineProcesses | None = None
+    # a restart gpuguard made and has not yet seen come back: (when, reason, old main PID)
+    restart_pending: tuple[float, str, int | None] | None = None
 
 
 CLOSE_TIMEOUT = 5.0  # seconds for the engine loops and HTTP clients to stop
@@ -69,8 +71,7 @@ class EngineWatchdog:
             adapter = Adapter(cfg)
             self._engines[cfg.name] = _Engine(
                 cfg=cfg, adapter=adapter, probe=EngineProbe(adapter),
-                tracker=StallTracker(StallSettings.from_config(cfg), separates_decode=adapter.separates_decode,
-                                     rate_source=adapter.rate_source),
+                tracker=StallTracker(StallSettings.from_config(cfg), separates_decode=adapter.separates_decode),
                 ledger=RestartLedger(cfg.restart_loop.count, cfg.restart_loop.window))
 
     # -- public read side ----------------------------------------------------------------
@@ -170,7 +171,9 @@ class EngineWatchdog:
             time=now, pid=procs.main_pid if procs else None, pid_start=procs.main_start if procs else None,
             health=probe.health if procs else None, reading=probe.reading if procs else None,
             metrics_error=probe.metrics_error if procs else None,
-            cpu_seconds=procs.gpu_stat.cpu_seconds if procs else None)
+            cpu_seconds=procs.gpu_stat.cpu_seconds if procs else None,
+            process_state=procs.gpu_stat.state if procs else None,
+            batch_tokens=procs.batch_tokens if procs else None)
         async with e.lock:
             v = e.tracker.observe(obs)
             e.polls += 1
@@ -205,6 +208,7 @@ class EngineWatchdog:
     async def _transitions(self, e: _Engine, prev: EngineSnapshot | None, v: Verdict, probe: ProbeResult,
                            procs: EngineProcesses | None, now: float) -> None:
         cfg = e.cfg
+        self._restart_outcome(e, v, procs, now)
         if v.new_pid and procs is not None:
             self._event(e, "engine_started", "info", f"engine {cfg.name} started as PID {procs.main_pid}",
                         pid=procs.main_pid)
@@ -249,7 +253,7 @@ class EngineWatchdog:
     async def _kill(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float,
                     who: str = "policy") -> KillResult:
         cfg = e.cfg
-        result = await kill_engine(procs.pids, cfg.grace)
+        result = await kill_engine(procs.pids, cfg.grace, cgroup=procs.cgroup)
         self._actions[(cfg.name, "kill", reason)] += 1
         e.last_action = f"kill ({reason})"
         self._audit(e, "kill", reason, who, evidence, result.to_dict(), now)
@@ -263,26 +267,62 @@ class EngineWatchdog:
 
     async def _restart(self, e: _Engine, procs: EngineProcesses | None, reason: str, evidence: dict,
                        now: float, who: str = "policy") -> dict:
+        """Restart through the unit or the configured command, then watch for the engine to
+        come back (`engine_restart_failed` when no new process is ready within ready_timeout).
+        Without either (only reachable from the GPU-reset hook or the API: the config refuses
+        `action: restart` without one) the engine is killed and the event says so."""
         cfg = e.cfg
         argv = restart_argv(cfg.process.systemd_unit, cfg.restart_command)
         out: dict[str, Any] = {}
         if argv is None:
-            # No unit, no command: kill and let the service manager's Restart= bring it back.
             if procs is not None:
-                out["kill"] = (await kill_engine(procs.pids, cfg.grace)).to_dict()
-            out["restart"] = "left to the service manager (Restart=)"
-        else:
-            res: CommandResult = await run_command(argv)
-            out["command"] = res.to_dict()
-        e.tracker.mark_starting()
+                await self._kill(e, procs, reason, evidence, now, who=who)
+                out["kill"] = "killed; no systemd_unit or restart_command to restart it with"
+            else:
+                out["kill"] = "no process; no systemd_unit or restart_command to restart it with"
+            return out
+        res: CommandResult = await run_command(argv)
+        out["command"] = res.to_dict()
         self._actions[(cfg.name, "restart", reason)] += 1
         e.last_action = f"restart ({reason})"
-        self._audit(e, "restart", reason, who, evidence, out, now)
-        failed = "command" in out and out["command"]["returncode"] != 0
-        self._event(e, "engine_restarted", "critical" if failed else "alert",
-                    f"engine {cfg.name} restarted ({reason})" + (" — restart command FAILED" if failed else ""),
+        failed = res.returncode != 0
+        if failed:
+            self._audit(e, "restart", reason, who, evidence, {**out, "outcome": "command failed"}, now)
+            self._event(e, "engine_restart_failed", "critical",
+                        f"engine {cfg.name}: restart ({reason}) command {' '.join(argv)} failed: "
+                        f"{res.returncode if res.returncode is not None else res.output}", reason=reason, result=out)
+            return out
+        e.tracker.mark_starting()
+        e.restart_pending = (now, reason, procs.main_pid if procs else None)
+        self._audit(e, "restart", reason, who, evidence,
+                    {**out, "outcome": f"command ran; waiting up to {cfg.ready_timeout:g} s for a new ready process"}, now)
+        self._event(e, "engine_restarting", "alert",
+                    f"engine {cfg.name}: restart ({reason}) with {' '.join(argv)}; waiting for it to come back",
                     reason=reason, result=out)
         return out
+
+    def _restart_outcome(self, e: _Engine, v: Verdict, procs: EngineProcesses | None, now: float) -> None:
+        """Whether the restart gpuguard made came back: a NEW process answering ready."""
+        if e.restart_pending is None:
+            return
+        at, reason, old = e.restart_pending
+        cfg = e.cfg
+        if v.became_ready and procs is not None and procs.main_pid != old:
+            e.restart_pending = None
+            secs = now - at
+            self._audit(e, "restart", reason, "policy", {}, {"outcome": "came back", "pid": procs.main_pid,
+                                                             "seconds": round(secs, 3)}, now)
+            self._event(e, "engine_restarted", "info",
+                        f"engine {cfg.name} came back as PID {procs.main_pid} {secs:.1f} s after the restart ({reason})",
+                        reason=reason, pid=procs.main_pid, seconds=round(secs, 3))
+        elif now - at >= cfg.ready_timeout:
+            e.restart_pending = None
+            what = ("no process" if procs is None else
+                    f"PID {procs.main_pid} not ready" if procs.main_pid != old else f"still the old PID {old}")
+            self._audit(e, "restart", reason, "policy", {}, {"outcome": "did not come back", "state": what}, now)
+            self._event(e, "engine_restart_failed", "critical",
+                        f"engine {cfg.name} did not come back within {cfg.ready_timeout:g} s of the restart "
+                        f"({reason}): {what}", reason=reason, state=what)
 
     def _engines_on_gpu(self, gpu_name: str) -> list[_Engine]:
         return [e for e in self._engines.values() if gpu_name in e.cfg.gpus]
@@ -308,7 +348,8 @@ class EngineWatchdog:
         return out
 
     async def restart_engines_on_gpu(self, gpu_name: str, reason: str) -> dict[str, dict]:
-        """After a GPU reset: restart every engine on `gpu_name` (unit/command, else Restart=)."""
+        """After a GPU reset: restart every engine on `gpu_name` (unit/command; without one it
+        is killed, and the result says so)."""
         out: dict[str, dict] = {}
         now = self._clock()
 
