@@ -113,13 +113,23 @@ def _cmdline_text(p: psutil.Process) -> str:
         return ""
 
 
+SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash", "busybox"}
+
+
+def _is_shell_script(argv: list[str]) -> bool:
+    """`sh -c "... engine ... &"`: the launcher's command line names the engine, but the
+    shell is not the engine; killing it would take its other jobs (issue 13)."""
+    return bool(argv) and os.path.basename(argv[0]) in SHELLS and "-c" in argv[1:3]
+
+
 def _by_cmdline(pattern: str) -> int | None:
     rx = re.compile(pattern)
     me = os.getpid()
     matches: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info.get("cmdline") or [])
-        if p.pid != me and cmd and rx.search(cmd):
+        argv = p.info.get("cmdline") or []
+        cmd = " ".join(argv)
+        if p.pid != me and cmd and rx.search(cmd) and not _is_shell_script(argv):
             matches[p.pid] = p
     if not matches:
         return None
