@@ -265,6 +265,10 @@ class Daemon:
             self.poller.timeout = new.poll.timeout_seconds
             self.poller.discover_every = new.poll.discover_seconds
             self.pcie.interval = new.poll.pcie_interval_seconds
+            if self.engines is not None:  # issue 13: reload applies engines: changes
+                log.info("reload: engines %s", self.engines.reconfigure(new.engines))
+            elif new.engines:
+                log.warning("reload: engines: takes effect at the next restart (none were watched at start)")
             log.info(
                 "reload: config %s applied poll_interval=%gs tokens=%d webhooks=%d",
                 self.config_path,

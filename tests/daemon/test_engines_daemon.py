@@ -104,3 +104,18 @@ def test_kernel_hang_on_a_gpu_kills_its_engine_at_once(sim, start_daemon, engine
     assert all(alive(p) for p in r_tree)  # the engine on the other GPU is untouched
     events = httpx.get(f"{d.base}/v1/events", timeout=5).json()
     assert any(e["kind"] == "engine_killed" and e["engine"] == "llama-xtx" for e in events)
+
+
+def test_sighup_applies_engines_changes(sim, start_daemon, engines, wait_for):
+    """Issue 13: a reload adds and removes watched engines in the running daemon."""
+    import signal
+
+    a, b = engines("vllm"), engines("llamacpp")
+    d = start_daemon(sim.mount, NAMES + "engines:\n" + engine_yaml("vllm-a", a, "xtx-0"))
+    wait_for(lambda: d.value("gpuguard_engine_up", engine="vllm-a") == 1, what="vllm-a watched")
+    text = d.config.read_text().replace(engine_yaml("vllm-a", a, "xtx-0"), engine_yaml("llama-b", b, "r9700-a"))
+    d.config.write_text(text)
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: d.value("gpuguard_engine_up", engine="llama-b") == 1, timeout=20, what="llama-b watched after SIGHUP")
+    assert d.value("gpuguard_engine_up", engine="vllm-a") is None
+    assert "reload: engines {'added': ['llama-b'], 'removed': ['vllm-a'], 'changed': []}" in d.log.read_text()

@@ -299,3 +299,19 @@ def test_decode_gap_is_the_longest_recent_gap_not_the_current_one():
     assert not v.stalled and v.decode_gap_seconds == 7.0  # the longest, still in the window
     v = ready_at(tr, 100.0 + 8 + 301, R(2, 0, hb=500, decode=900, prefill=2048 * 7))
     assert v.decode_gap_seconds == 0.0  # out of the 300 s window
+
+
+def test_scrape_measured_prefill_rate_needs_a_real_batch():
+    """vLLM/SGLang export no prompt seconds: the rate comes from wall time between scrapes,
+    which a few 16-token prompts would make absurdly low (and a hang wait minutes)."""
+    tr = tracker(stall_after=8.0)
+    tr.observe(obs(100.0, R(2, 0, hb=10, prefill=0), cpu=1.0, batch=8192))
+    v = tr.observe(obs(101.0, R(2, 0, hb=20, prefill=32), cpu=2.0, batch=8192))
+    assert v.evidence["prefill_batch"]["prefill_rate_tokens_per_second"] is None
+    v = tr.observe(obs(109.0, None, cpu=10.0, batch=8192))
+    assert v.stalled  # at stall_after, no stretch
+    tr = tracker(stall_after=8.0)
+    tr.observe(obs(100.0, R(2, 0, hb=10, prefill=0), cpu=1.0, batch=8192))
+    v = tr.observe(obs(101.0, R(2, 0, hb=20, prefill=8192), cpu=2.0, batch=8192))
+    assert v.evidence["prefill_batch"]["prefill_rate_tokens_per_second"] == 8192.0
+    assert v.evidence["prefill_batch"]["rate_from"] == "scrapes"

@@ -188,7 +188,7 @@ class StallTracker:
                 self._metrics_bad_since = t
         else:
             self._metrics_bad_since = None
-            self._take_reading(r, t)
+            self._take_reading(r, t, o.batch_tokens)
         last = self._last
         pending = bool(last.pending) if last is not None else False
         if not pending:
@@ -265,7 +265,7 @@ class StallTracker:
                                     "health_failing_seconds": (round(t - self._health_bad_since, 3)
                                                                if self._health_bad_since is not None else None)})
 
-    def _take_reading(self, r: EngineReading, t: float) -> None:
+    def _take_reading(self, r: EngineReading, t: float, batch_tokens: int | None = None) -> None:
         prev, prev_t = self._last, self._last_t
         if prev is not None and any(
                 getattr(r, k) is not None and getattr(prev, k) is not None and getattr(r, k) != getattr(prev, k)
@@ -273,7 +273,7 @@ class StallTracker:
             self._progress_at = t
         if (prev is not None and prev_t is not None and r.prefill is not None and prev.prefill is not None
                 and r.prefill > prev.prefill):
-            self._learn_prefill_rate(prev, r, t - prev_t)
+            self._learn_prefill_rate(prev, r, t - prev_t, batch_tokens)
         if r.heartbeat is not None:
             if self._hb is None or r.heartbeat != self._hb:
                 if (self._hb is not None and prev_t is not None and r.heartbeat > self._hb
@@ -299,16 +299,19 @@ class StallTracker:
             self._rate = None
         self._last, self._last_t = r, t
 
-    def _learn_prefill_rate(self, prev: EngineReading, r: EngineReading, dt: float) -> None:
+    def _learn_prefill_rate(self, prev: EngineReading, r: EngineReading, dt: float,
+                            batch_tokens: int | None) -> None:
         tokens = r.prefill - prev.prefill  # type: ignore[operator]
         if r.prefill_seconds is not None and prev.prefill_seconds is not None and r.prefill_seconds > prev.prefill_seconds:
             rate = tokens / (r.prefill_seconds - prev.prefill_seconds)  # the engine's own timing
             self._prefill_rate = rate if self._prefill_rate is None or self._prefill_rate_from != "engine" else (
                 (1 - EWMA_ALPHA) * self._prefill_rate + EWMA_ALPHA * rate)
             self._prefill_rate_from = "engine"
-        elif self._prefill_rate_from != "engine" and dt > 0:
+        elif self._prefill_rate_from != "engine" and dt > 0 and batch_tokens and tokens >= batch_tokens / 4:
             # Wall time between scrapes under-estimates the rate (the interval was not all
-            # prefill): keep the best seen, the closest to the engine's real speed.
+            # prefill): only an interval with at least a quarter batch of prompt tokens tells
+            # anything (a few short prompts would make a hang wait minutes), and the best
+            # seen is the closest to the engine's real speed.
             rate = tokens / dt
             self._prefill_rate = max(self._prefill_rate or 0.0, rate)
             self._prefill_rate_from = "scrapes"

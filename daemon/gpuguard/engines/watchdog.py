@@ -60,19 +60,79 @@ class EngineWatchdog:
         self._actions: Counter[tuple[str, str, str]] = Counter()
         self._cache_scans: dict[str, CacheScan] = {}
         self._cache_owner: dict[str, str] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._running = False
+        self._check(configs)
         for cfg in configs:
-            if cfg.name in self._engines:
-                raise ValueError(f"engines: duplicate name {cfg.name!r}")
+            self._engines[cfg.name] = self._new_engine(cfg)
             for cache in cfg.caches:
-                if cache.name in self._cache_owner:
-                    raise ValueError(f"engines.{cfg.name}.caches: name {cache.name!r} already used by "
-                                     f"engine {self._cache_owner[cache.name]!r}; cache names are metric labels")
                 self._cache_owner[cache.name] = cfg.name
-            adapter = Adapter(cfg)
-            self._engines[cfg.name] = _Engine(
-                cfg=cfg, adapter=adapter, probe=EngineProbe(adapter),
-                tracker=StallTracker(StallSettings.from_config(cfg), separates_decode=adapter.separates_decode),
-                ledger=RestartLedger(cfg.restart_loop.count, cfg.restart_loop.window))
+
+    @staticmethod
+    def _check(configs: Sequence[EngineConfig]) -> None:
+        names: set[str] = set()
+        owner: dict[str, str] = {}
+        for cfg in configs:
+            if cfg.name in names:
+                raise ValueError(f"engines: duplicate name {cfg.name!r}")
+            names.add(cfg.name)
+            for cache in cfg.caches:
+                if cache.name in owner:
+                    raise ValueError(f"engines.{cfg.name}.caches: name {cache.name!r} already used by "
+                                     f"engine {owner[cache.name]!r}; cache names are metric labels")
+                owner[cache.name] = cfg.name
+
+    @staticmethod
+    def _new_engine(cfg: EngineConfig) -> _Engine:
+        adapter = Adapter(cfg)
+        return _Engine(cfg=cfg, adapter=adapter, probe=EngineProbe(adapter),
+                       tracker=StallTracker(StallSettings.from_config(cfg), separates_decode=adapter.separates_decode),
+                       ledger=RestartLedger(cfg.restart_loop.count, cfg.restart_loop.window))
+
+    def reconfigure(self, configs: Sequence[EngineConfig]) -> dict[str, list[str]]:
+        """Apply a reloaded `engines:` list (SIGHUP): new engines start being watched, removed
+        ones stop, changed ones take their new settings at their next poll while keeping
+        what was learnt (stall state, prefill rate, restart ledger). Sync: called from the
+        daemon's signal handler inside the running loop. -> {added, removed, changed}."""
+        self._check(configs)
+        new = {c.name: c for c in configs}
+        out: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+        loop = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        for name in list(self._engines):
+            if name not in new:
+                e = self._engines.pop(name)
+                task = self._tasks.pop(name, None)
+                if task is not None:
+                    task.cancel()
+                if loop is not None:
+                    loop.create_task(e.probe.aclose())
+                out["removed"].append(name)
+        for name, cfg in new.items():
+            e = self._engines.get(name)
+            if e is None:
+                e = self._engines[name] = self._new_engine(cfg)
+                if loop is not None and self._running:  # the loops are running: start this one's
+                    self._tasks[name] = loop.create_task(self._engine_loop(e), name=f"engine:{name}")
+                out["added"].append(name)
+            elif cfg != e.cfg:
+                old_probe = e.probe
+                e.cfg = cfg
+                e.adapter = Adapter(cfg)
+                e.probe = EngineProbe(e.adapter)
+                e.tracker.s = StallSettings.from_config(cfg)
+                e.tracker.separates_decode = e.adapter.separates_decode
+                e.ledger.count, e.ledger.window = cfg.restart_loop.count, cfg.restart_loop.window
+                if loop is not None:
+                    loop.create_task(old_probe.aclose())
+                out["changed"].append(name)
+        self._cache_owner = {c.name: n for n, cfg in new.items() for c in cfg.caches}
+        for cache in [c for c in self._cache_scans if c not in self._cache_owner]:
+            del self._cache_scans[cache]
+        return out
 
     # -- public read side ----------------------------------------------------------------
     def snapshots(self) -> dict[str, EngineSnapshot]:
@@ -94,14 +154,25 @@ class EngineWatchdog:
     async def run(self) -> None:
         """Poll every engine on its own cadence until cancelled."""
         self._stopping = False
-        tasks = [asyncio.create_task(self._engine_loop(e), name=f"engine:{e.cfg.name}")
-                 for e in self._engines.values()]
+        self._running = True
+        self._tasks = {e.cfg.name: asyncio.create_task(self._engine_loop(e), name=f"engine:{e.cfg.name}")
+                       for e in self._engines.values()}
         try:
             # asyncio.wait, not gather: cancelling run() must not wait for the loops first.
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                t.result()
+            # Re-read each turn: a reload adds and removes loops.
+            while True:
+                current = set(self._tasks.values())
+                if not current:
+                    await asyncio.sleep(0.5)
+                    continue
+                done, _ = await asyncio.wait(current, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if not t.cancelled() and t.exception() is not None:
+                        t.result()
+                    self._tasks = {n: x for n, x in self._tasks.items() if x is not t}
         finally:
+            self._running = False
+            tasks = list(self._tasks.values())
             # A cancellation can be swallowed inside httpx/anyio's connect machinery (a
             # connect to a frozen engine): the flag ends such a loop at its next turn.
             self._stopping = True
@@ -109,7 +180,7 @@ class EngineWatchdog:
                 t.cancel()
             # Bounded: a poll stuck in an HTTP exchange with a half-dead engine must not
             # hold the daemon's shutdown (or a test) forever.
-            done, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
+            done, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT) if tasks else (set(), set())
             if pending:
                 log.error("engine watchdog: %d engine loop(s) did not stop within %g s: %s", len(pending),
                           CLOSE_TIMEOUT, ", ".join(t.get_name() for t in pending))
@@ -128,9 +199,9 @@ class EngineWatchdog:
         return self.snapshots()
 
     async def _engine_loop(self, e: _Engine) -> None:
-        interval = e.cfg.poll_interval
         next_at = time.monotonic()
         while not self._stopping:
+            interval = e.cfg.poll_interval  # a reload may change it
             try:
                 await self._poll(e, None)
             except asyncio.CancelledError:
