@@ -123,7 +123,13 @@ class Daemon:
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
         if config.engines:
-            self.engines = EngineWatchdog(config.engines, audit=self._engine_audit, publish=self.hub.publish)
+            from gpuguard.engines.attribution import GpuAttribution
+
+            # issue 13: which processes hold which GPU (fdinfo under the host's /proc, NVML)
+            nvml = next((s for s in self.sources if getattr(s, "name", "") == "nvml"), None)
+            attribution = GpuAttribution(self.root.path("/proc"), nvml, gpu_names=lambda: dict(self.poller.names))
+            self.engines = EngineWatchdog(config.engines, audit=self._engine_audit, publish=self.hub.publish,
+                                          attribution=attribution)
             self.metrics.add_producer(lambda: engine_metrics(self.engines))
             self.actions.provide_from(EngineActions(self.engines))
             # INCIDENTS §1: a hang on a GPU kills its engines at once; after a reset every

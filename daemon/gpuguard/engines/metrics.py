@@ -17,13 +17,15 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
     waiting = GaugeMetricFamily("gpuguard_engine_requests_waiting", "Requests queued in the engine", labels=["engine"])
     tokens = CounterMetricFamily("gpuguard_engine_generated_tokens", "Generated tokens as reported by the engine",
                                  labels=["engine"])
-    tps = GaugeMetricFamily("gpuguard_engine_tokens_per_second", "Recent generation rate (llama-server: decode steps/s)",
-                            labels=["engine"])
+    tps = GaugeMetricFamily("gpuguard_engine_tokens_per_second",
+                            "Tokens generated per second between the last two answered scrapes (llama-server: busy "
+                            "slots x decode steps); absent when the engine did not answer this poll", labels=["engine"])
     gap = GaugeMetricFamily("gpuguard_engine_no_progress_seconds",
-                            "Time since the per-step counter last advanced while requests were pending", labels=["engine"])
+                            "Time since any progress counter (steps, live tokens, prompt tokens) last advanced while "
+                            "requests were pending", labels=["engine"])
     dgap = GaugeMetricFamily("gpuguard_engine_decode_gap_seconds",
-                             "Longest no-token gap of running decodes (INCIDENTS §9: prefill starving decode)",
-                             labels=["engine"])
+                             "Longest time the decode counter was seen flat while requests ran, over the last 300 s "
+                             "(INCIDENTS §9: prefill starving decode)", labels=["engine"])
     stalled = GaugeMetricFamily("gpuguard_engine_stalled", "1 = the watchdog declared a stall", labels=["engine"])
     ready = GaugeMetricFamily("gpuguard_engine_time_to_ready_seconds",
                               "Start of the engine's current process to its first ready health answer", labels=["engine"])
@@ -46,4 +48,10 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
     for name, scan in sorted(wd.cache_scans().items()):
         if scan.zero_byte_files is not None:
             caches.add_metric([name], scan.zero_byte_files)
-    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, caches)
+    held = GaugeMetricFamily("gpuguard_gpu_process_vram_bytes",
+                             "VRAM a process holds on a GPU (DRM fdinfo drm-memory-vram, or NVML); engine = the watched "
+                             "engine it belongs to, empty if none", labels=["gpu", "pid", "comm", "engine"])
+    for g, gpu, engine in wd.gpu_processes():
+        if g.vram_bytes is not None:
+            held.add_metric([gpu, str(g.pid), g.comm, engine], float(g.vram_bytes))
+    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, caches, held)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
 from gpuguard.engines.adapters import Adapter
+from gpuguard.engines.attribution import GpuAttribution, GpuProcess
 from gpuguard.engines.caches import CacheError, CacheScan, quarantine, scan_zero_byte
 from gpuguard.engines.config import EngineConfig
 from gpuguard.engines.probe import EngineProbe, ProbeResult
@@ -44,14 +45,28 @@ class _Engine:
     procs: EngineProcesses | None = None
     # a restart gpuguard made and has not yet seen come back: (when, reason, old main PID)
     restart_pending: tuple[float, str, int | None] | None = None
+    gpu_holders: tuple[GpuProcess, ...] = ()  # its processes' holds on GPUs, last scan
+    held_by: dict[int, GpuProcess] = field(default_factory=dict)  # pid -> hold, seen while it ran
+    vram_alerted: bool = False
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """Configured GPUs, else the ones its processes hold (issue 13)."""
+        if self.cfg.gpus:
+            return tuple(self.cfg.gpus)
+        return tuple(sorted({g.bdf for g in self.gpu_holders}))
 
 
 CLOSE_TIMEOUT = 5.0  # seconds for the engine loops and HTTP clients to stop
+ATTRIBUTION_INTERVAL = 2.0  # seconds between scans of which processes hold which GPU
 
 
 class EngineWatchdog:
     def __init__(self, configs: Sequence[EngineConfig], audit: Callable[[dict], None],
-                 publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time) -> None:
+                 publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time,
+                 attribution: GpuAttribution | None = None) -> None:
+        self.attribution = attribution
+        self._gpu_procs: list[GpuProcess] = []
         self._audit_sink = audit
         self._publish_sink = publish
         self._clock = clock
@@ -150,6 +165,51 @@ class EngineWatchdog:
     def cache_scans(self) -> dict[str, CacheScan]:
         return dict(self._cache_scans)
 
+    def gpu_processes(self) -> list[tuple[GpuProcess, str, str]]:
+        """(hold, GPU name, engine name or "") for every process holding a GPU, last scan."""
+        owner = {pid: name for name, e in self._engines.items() if e.procs for pid in e.procs.pids}
+        name = self.attribution.name if self.attribution else (lambda b: b)
+        return [(g, name(g.bdf), owner.get(g.pid, "")) for g in self._gpu_procs]
+
+    # -- GPU attribution -----------------------------------------------------------------
+    async def attribute_once(self) -> list[GpuProcess]:
+        """Scan which processes hold which GPU; give each engine its holds; alert when an
+        engine is gone but a process that held VRAM for it still does (an orphaned worker,
+        a process stuck in the driver)."""
+        if self.attribution is None:
+            return []
+        found = await asyncio.to_thread(self.attribution.scan)
+        self._gpu_procs = found
+        by_pid: dict[int, list[GpuProcess]] = {}
+        for g in found:
+            by_pid.setdefault(g.pid, []).append(g)
+        for e in list(self._engines.values()):
+            if e.procs is not None:
+                e.gpu_holders = tuple(g for pid in e.procs.pids for g in by_pid.get(pid, ()))
+                e.held_by.update({g.pid: g for g in e.gpu_holders})
+                e.vram_alerted = False
+                continue
+            still = [g for pid, old in e.held_by.items() for g in by_pid.get(pid, ()) if g.vram_bytes]
+            e.gpu_holders = tuple(still)  # what still holds its GPUs on its behalf
+            if still and not e.vram_alerted:
+                e.vram_alerted = True
+                self._event(e, "engine_vram_held", "alert",
+                            f"engine {e.cfg.name} is down but " + ", ".join(
+                                f"PID {g.pid} ({g.comm}) still holds {g.vram_bytes / 2**20:.0f} MiB on "
+                                f"{self.attribution.name(g.bdf)}" for g in still),
+                            holders=[g.to_dict() for g in still])
+            elif not still:
+                e.held_by.clear()
+        return found
+
+    async def _attribution_loop(self) -> None:
+        while not self._stopping:
+            try:
+                await self.attribute_once()
+            except Exception:  # noqa: BLE001 - attribution is advisory
+                log.exception("GPU process attribution failed")
+            await asyncio.sleep(ATTRIBUTION_INTERVAL)
+
     # -- loops ---------------------------------------------------------------------------
     async def run(self) -> None:
         """Poll every engine on its own cadence until cancelled."""
@@ -157,6 +217,8 @@ class EngineWatchdog:
         self._running = True
         self._tasks = {e.cfg.name: asyncio.create_task(self._engine_loop(e), name=f"engine:{e.cfg.name}")
                        for e in self._engines.values()}
+        if self.attribution is not None:
+            self._tasks[" attribution"] = asyncio.create_task(self._attribution_loop(), name="engines:attribution")
         try:
             # asyncio.wait, not gather: cancelling run() must not wait for the loops first.
             # Re-read each turn: a reload adds and removes loops.
@@ -262,6 +324,8 @@ class EngineWatchdog:
         ev = dict(v.evidence)
         if procs is not None:
             ev.update(pids=list(procs.pids), gpu_pid=procs.gpu_pid, gpu_process_state=procs.gpu_stat.state)
+            if e.gpu_holders:
+                ev["gpu_processes"] = [g.to_dict() for g in e.gpu_holders]
             if procs.note:
                 ev["process_note"] = procs.note
         ev["health_detail"] = probe.health_detail
@@ -272,7 +336,7 @@ class EngineWatchdog:
             tokens_per_second=v.tokens_per_second, no_progress_seconds=v.no_progress_seconds,
             decode_gap_seconds=v.decode_gap_seconds, stalled=v.stalled, cpu_percent=v.cpu_percent,
             last_action=e.last_action, time_to_ready_seconds=v.time_to_ready, url=e.cfg.url,
-            gpus=tuple(e.cfg.gpus), gpu_pid=procs.gpu_pid if procs else None, reason=v.reason,
+            gpus=self._gpu_names(e), gpu_pid=procs.gpu_pid if procs else None, reason=v.reason,
             health=probe.health if procs else None, metrics_error=probe.metrics_error if procs else None,
             stall_window_seconds=v.stall_window, polled_at=now, polls=e.polls, error=error, evidence=ev)
 
@@ -395,8 +459,13 @@ class EngineWatchdog:
                         f"engine {cfg.name} did not come back within {cfg.ready_timeout:g} s of the restart "
                         f"({reason}): {what}", reason=reason, state=what)
 
+    def _gpu_names(self, e: _Engine) -> tuple[str, ...]:
+        if e.cfg.gpus or self.attribution is None:
+            return tuple(e.cfg.gpus)
+        return tuple(self.attribution.name(b) for b in e.gpus)
+
     def _engines_on_gpu(self, gpu_name: str) -> list[_Engine]:
-        return [e for e in self._engines.values() if gpu_name in e.cfg.gpus]
+        return [e for e in self._engines.values() if gpu_name in self._gpu_names(e)]
 
     async def kill_engines_on_gpu(self, gpu_name: str, reason: str, evidence: dict | None = None) -> dict[str, dict]:
         """Kernel hook: gpu_hang / sq_interrupt / device_lost on `gpu_name` kills every engine
@@ -475,14 +544,14 @@ class EngineWatchdog:
     # -- sinks ---------------------------------------------------------------------------
     def _audit(self, e: _Engine, what: str, why: str, who: str, evidence: dict, result: dict, now: float) -> None:
         record = {"what": what, "why": why, "who": who, "engine": e.cfg.name, "kind": e.cfg.kind,
-                  "gpus": list(e.cfg.gpus), "evidence": evidence, "result": result, "time": now}
+                  "gpus": list(self._gpu_names(e)), "evidence": evidence, "result": result, "time": now}
         try:
             self._audit_sink(record)
         except Exception:  # noqa: BLE001 - a broken audit sink is logged, the action stands
             log.exception("engine %s: audit sink failed for %s", e.cfg.name, what)
 
     def _event(self, e: _Engine, kind: str, severity: str, message: str, **fields: Any) -> None:
-        gpus = e.cfg.gpus
+        gpus = self._gpu_names(e)
         ev = Event(kind=kind, severity=severity, source=SOURCE, message=message,
                    gpu=gpus[0] if len(gpus) == 1 else None, engine=e.cfg.name, time=self._clock(),
                    fields={"gpus": list(gpus), **fields})

@@ -40,7 +40,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from gpuguard.sim.engines_core import Core, run_core_process, set_process_name
+from gpuguard.sim.engines_core import Core, run_core_process, serve_fdinfo, set_process_name
 
 KINDS = ("vllm", "sglang", "llamacpp")
 CORE_TITLES = {"vllm": "VLLM::EngineCore", "sglang": "sglang::scheduler"}
@@ -223,6 +223,8 @@ class SimEngine:
         if self.kind == "llamacpp":
             self.core = Core(a.step_time, a.slots, prefill_rate=a.prefill_rate, batch=a.batch_size,
                              starve_decode=a.starve_decode)
+            if a.drm_root:
+                serve_fdinfo(a.drm_root, a.gpu_bdf, a.vram_mib * 1024 * 1024, self.core)
             threading.Thread(target=self.core.loop, kwargs={"on_state": self._on_state}, daemon=True,
                              name="main-loop").start()
             return
@@ -231,7 +233,8 @@ class SimEngine:
             [sys.executable, "-m", "gpuguard.sim.engines", "--core", title, "--kind", self.kind,
              "--step-time", str(a.step_time), "--slots", str(a.slots), "--port", "0",
              "--prefill-rate", str(a.prefill_rate), "--batch-size", str(a.batch_size)]
-            + (["--starve-decode"] if a.starve_decode else []),
+            + (["--starve-decode"] if a.starve_decode else [])
+            + (["--drm-root", a.drm_root, "--gpu-bdf", a.gpu_bdf, "--vram-mib", str(a.vram_mib)] if a.drm_root else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         threading.Thread(target=self._read_child, daemon=True).start()
 
@@ -461,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per step (llama-server -b, vLLM max-num-batched-tokens, SGLang chunk)")
     p.add_argument("--starve-decode", action="store_true",
                    help="steps carrying prompt tokens carry no decode tokens (INCIDENTS §9)")
+    p.add_argument("--drm-root", help="the simulated host's proc tree: the GPU-owning process serves its "
+                   "DRM fdinfo there (amdgpu format)")
+    p.add_argument("--gpu-bdf", default="0000:03:00.0", help="drm-pdev of the simulated GPU")
+    p.add_argument("--vram-mib", type=int, default=1024, help="VRAM the GPU-owning process holds")
     p.add_argument("--core", metavar="TITLE", help=argparse.SUPPRESS)
     return p
 
@@ -469,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.core:
         return run_core_process(args.core, args.step_time, args.slots, args.kind, prefill_rate=args.prefill_rate,
-                                batch=args.batch_size, starve_decode=args.starve_decode)
+                                batch=args.batch_size, starve_decode=args.starve_decode,
+                                drm=(args.drm_root, args.gpu_bdf, args.vram_mib * 1024 * 1024) if args.drm_root else None)
     if args.write_zero_byte_cache and not args.cache_dir:
         print("--write-zero-byte-cache needs --cache-dir", file=sys.stderr)
         return 2

@@ -252,6 +252,48 @@ class Core:
             }
 
 
+def fdinfo_text(bdf: str, client_id: int, vram: int, busy_ns: int) -> str:
+    """What amdgpu's show_fdinfo prints for one DRM file (drm core keys, then amdgpu's
+    legacy drm-memory-* in KiB, its amd-* keys, and drm-engine-* busy time in ns)."""
+    kib = vram // 1024
+    return (f"pos:\t0\nflags:\t02100002\nmnt_id:\t26\nino:\t1045\n"
+            f"drm-driver:\tamdgpu\ndrm-client-id:\t{client_id}\ndrm-pdev:\t{bdf}\npasid:\t32770\n"
+            f"drm-memory-vram:\t{kib} KiB\ndrm-memory-gtt: \t2048 KiB\ndrm-memory-cpu: \t0 KiB\n"
+            f"amd-memory-visible-vram:\t{kib} KiB\namd-evicted-vram:\t0 KiB\namd-evicted-visible-vram:\t0 KiB\n"
+            f"amd-requested-vram:\t{kib} KiB\namd-requested-visible-vram:\t0 KiB\namd-requested-gtt:\t2048 KiB\n"
+            f"drm-engine-gfx:\t{busy_ns} ns\ndrm-engine-compute:\t{busy_ns // 2} ns\n")
+
+
+def serve_fdinfo(root: str, bdf: str, vram: int, core: "Core", stop: threading.Event | None = None) -> None:
+    """The simulated host's /proc for this process: <root>/<pid>/{comm,fd/N,fdinfo/N}, an
+    open render node (two fds on one DRM client, as after a dup) whose busy time grows with
+    the engine's steps. Runs as a daemon thread of the GPU-owning process."""
+    import os
+    from pathlib import Path
+
+    base = Path(root) / str(os.getpid())
+    (base / "fd").mkdir(parents=True, exist_ok=True)
+    (base / "fdinfo").mkdir(exist_ok=True)
+    comm = Path(f"/proc/{os.getpid()}/comm").read_text()
+    (base / "comm").write_text(comm)
+    client = 40 + os.getpid() % 1000
+    for fd in ("7", "8"):
+        link = base / "fd" / fd
+        if not link.is_symlink():
+            link.symlink_to("/dev/dri/renderD128")
+
+    def loop() -> None:
+        while stop is None or not stop.is_set():
+            text = fdinfo_text(bdf, client, vram, core.steps * int(core.step_time * 1e9))
+            for fd in ("7", "8"):
+                tmp = base / "fdinfo" / f".{fd}.tmp"
+                tmp.write_text(text)
+                tmp.replace(base / "fdinfo" / fd)
+            time.sleep(0.2)
+
+    threading.Thread(target=loop, daemon=True, name="fdinfo").start()
+
+
 def set_process_name(name: str) -> None:
     """Like setproctitle in vLLM/SGLang: the comm (15 chars) names the engine core."""
     try:
@@ -261,10 +303,13 @@ def set_process_name(name: str) -> None:
         pass
 
 
-def run_core_process(title: str, step_time: float, slots: int, itl: str, **prefill) -> int:
+def run_core_process(title: str, step_time: float, slots: int, itl: str, drm: tuple | None = None,
+                     **prefill) -> int:
     """Child-process mode: commands in on stdin, state out on stdout, one JSON per line."""
     set_process_name(title)
     core = Core(step_time, slots, SGLANG_ITL_BUCKETS if itl == "sglang" else ITL_BUCKETS, **prefill)
+    if drm:
+        serve_fdinfo(drm[0], drm[1], drm[2], core)
     out_lock = threading.Lock()
 
     def emit(state: dict) -> None:
