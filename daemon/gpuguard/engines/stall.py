@@ -303,9 +303,9 @@ class StallTracker:
                             batch_tokens: int | None) -> None:
         tokens = r.prefill - prev.prefill  # type: ignore[operator]
         if r.prefill_seconds is not None and prev.prefill_seconds is not None and r.prefill_seconds > prev.prefill_seconds:
-            rate = tokens / (r.prefill_seconds - prev.prefill_seconds)  # the engine's own timing
-            self._prefill_rate = rate if self._prefill_rate is None or self._prefill_rate_from != "engine" else (
-                (1 - EWMA_ALPHA) * self._prefill_rate + EWMA_ALPHA * rate)
+            # The engine's own cumulative ratio: token-weighted, so a few tiny prompts (whose
+            # per-token time is all overhead) cannot talk the bound down.
+            self._prefill_rate = r.prefill / r.prefill_seconds  # type: ignore[operator]
             self._prefill_rate_from = "engine"
         elif self._prefill_rate_from != "engine" and dt > 0 and batch_tokens and tokens >= batch_tokens / 4:
             # Wall time between scrapes under-estimates the rate (the interval was not all
