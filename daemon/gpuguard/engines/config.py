@@ -111,6 +111,12 @@ class EngineConfig(_Strict):
     unhealthy_after: float = Field(30.0, gt=0)
     ready_timeout: float = Field(900.0, gt=0)
 
+    # Issue 22, graded response: alert at stall_after (the stall is declared, evidence
+    # collection starts), take the incident bundle at dump_after, act at kill_after (all
+    # seconds without progress; unset = at stall_after, today's behaviour). A freeze that
+    # clears before kill_after is recorded as a pause, not killed.
+    dump_after: float | None = Field(None, gt=0)
+    kill_after: float | None = Field(None, gt=0)
     action: Action = "alert"
     act_on_unhealthy: bool = True
     grace: float = Field(10.0, ge=0)
@@ -135,10 +141,23 @@ class EngineConfig(_Strict):
             # A kill announced as a restart leaves the engine down (issue 13): refuse it.
             raise ValueError("action restart needs a way to restart: process.systemd_unit or restart_command "
                              "(e.g. [\"systemctl\", \"start\", \"my-engine\"]); or use action kill")
+        if self.kill_after is not None and self.kill_after < self.stall_after:
+            raise ValueError(f"kill_after ({self.kill_after:g}) must be >= stall_after ({self.stall_after:g}), "
+                             "the point the stall is declared")
+        if self.dump_after is not None and not self.stall_after <= self.dump_after <= self.effective_kill_after:
+            raise ValueError(f"dump_after ({self.dump_after:g}) must lie between stall_after and kill_after")
         names = [c.name for c in self.caches]
         if len(set(names)) != len(names):
             raise ValueError("caches: names must be unique")
         return self
+
+    @property
+    def effective_kill_after(self) -> float:
+        return self.kill_after if self.kill_after is not None else self.stall_after
+
+    @property
+    def effective_dump_after(self) -> float:
+        return self.dump_after if self.dump_after is not None else self.effective_kill_after
 
     @property
     def effective_health_timeout(self) -> float:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
@@ -17,6 +17,7 @@ from gpuguard.engines.adapters import Adapter
 from gpuguard.engines.attribution import GpuAttribution, GpuProcess
 from gpuguard.engines.caches import CacheError, CacheScan, quarantine, scan_zero_byte
 from gpuguard.engines.config import EngineConfig
+from gpuguard.engines.incidents import IncidentStore
 from gpuguard.engines.probe import EngineProbe, ProbeResult
 from gpuguard.engines.process import EngineProcesses, ProcessLookupFailed, resolve
 from gpuguard.engines.restarts import RestartLedger
@@ -48,6 +49,17 @@ class _Engine:
     gpu_holders: tuple[GpuProcess, ...] = ()  # its processes' holds on GPUs, last scan
     held_by: dict[int, GpuProcess] = field(default_factory=dict)  # pid -> hold, seen while it ran
     vram_alerted: bool = False
+    # issue 22: the graded response and its evidence
+    episode_at: float | None = None  # when the current stall/unhealthy episode was declared
+    dumped: bool = False
+    acted: bool = False
+    last_incident: str | None = None
+    samples: deque = field(default_factory=lambda: deque(maxlen=600))  # recent readings
+    raw: deque = field(default_factory=lambda: deque(maxlen=5))  # recent raw /metrics texts
+    pause: dict | None = None  # the no-progress period in progress
+    pauses: deque = field(default_factory=lambda: deque(maxlen=1000))  # pauses that ended by themselves
+    pause_buckets: list = field(default_factory=lambda: [0] * len(PAUSE_BUCKETS))
+    pause_sum: float = 0.0
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -59,13 +71,18 @@ class _Engine:
 
 CLOSE_TIMEOUT = 5.0  # seconds for the engine loops and HTTP clients to stop
 ATTRIBUTION_INTERVAL = 2.0  # seconds between scans of which processes hold which GPU
+SAMPLE_WINDOW = 300.0  # seconds of engine readings an incident bundle carries
+PAUSE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 
 
 class EngineWatchdog:
     def __init__(self, configs: Sequence[EngineConfig], audit: Callable[[dict], None],
                  publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time,
-                 attribution: GpuAttribution | None = None) -> None:
+                 attribution: GpuAttribution | None = None, incidents: IncidentStore | None = None,
+                 gpu_telemetry: Callable[[Sequence[str]], dict[str, dict]] | None = None) -> None:
         self.attribution = attribution
+        self.incidents = incidents
+        self.gpu_telemetry = gpu_telemetry  # GPU name -> {"busy_ratio", "power_watts"}, now
         self._gpu_procs: list[GpuProcess] = []
         self._audit_sink = audit
         self._publish_sink = publish
@@ -249,6 +266,8 @@ class EngineWatchdog:
             await self.aclose()
 
     async def aclose(self) -> None:
+        if self.incidents is not None:
+            await self.incidents.aclose()
         for e in self._engines.values():
             try:
                 await asyncio.wait_for(e.probe.aclose(), CLOSE_TIMEOUT)
@@ -311,12 +330,74 @@ class EngineWatchdog:
             v = e.tracker.observe(obs)
             e.polls += 1
             prev = e.snapshot
+            self._remember(e, v, probe, now)
             e.snapshot = self._snapshot(e, v, probe, procs, now, error)
             await self._transitions(e, prev, v, probe, procs, now)
             if e.snapshot.last_action != e.last_action:  # an action taken in this poll
                 e.snapshot = replace(e.snapshot, last_action=e.last_action)
         if e.last_cache_scan is None or now - e.last_cache_scan >= cfg.cache_scan_interval:
             await self._scan_caches(e, now)
+
+    def _remember(self, e: _Engine, v: Verdict, probe: ProbeResult, now: float) -> None:
+        """Issue 22: the readings an incident bundle carries, and pause bookkeeping: a
+        no-progress period that ends with progress (not a kill, not a restart) is a pause."""
+        e.samples.append({"t": now, "state": v.state, "health": probe.health, "health_detail": probe.health_detail,
+                          "metrics_error": probe.metrics_error,
+                          "reading": asdict(probe.reading) if probe.reading is not None else None,
+                          "no_progress_seconds": round(v.no_progress_seconds, 3),
+                          "tokens_per_second": v.tokens_per_second, "reason": v.reason})
+        while e.samples and e.samples[0]["t"] < now - SAMPLE_WINDOW:
+            e.samples.popleft()
+        if probe.metrics_text is not None:
+            e.raw.append({"t": now, "metrics": probe.metrics_text[:200_000]})
+        pause_min = max(1.0, 2 * e.cfg.poll_interval)
+        if v.state in ("down", "starting") or v.new_pid:
+            e.pause = None
+            return
+        if v.no_progress_seconds >= pause_min:
+            if e.pause is None:
+                r = v.reading
+                e.pause = {"start": now - v.no_progress_seconds, "running": r.running if r else None,
+                           "waiting": r.waiting if r else None, "gpu": {}, "worst_state": v.state}
+            if v.state in ("stalled", "unhealthy"):
+                e.pause["worst_state"] = v.state
+            if self.gpu_telemetry is not None:
+                try:
+                    for gpu, t in (self.gpu_telemetry(self._gpu_names(e)) or {}).items():
+                        e.pause["gpu"].setdefault(gpu, []).append(t)
+                except Exception:  # noqa: BLE001 - telemetry is optional here
+                    pass
+        elif v.no_progress_seconds == 0 and e.pause is not None and v.state in ("busy", "idle"):
+            p, e.pause = e.pause, None
+            seconds = now - p["start"]
+            gpus = {}
+            for gpu, ts in p["gpu"].items():
+                busy = [t["busy_ratio"] for t in ts if t.get("busy_ratio") is not None]
+                power = [t["power_watts"] for t in ts if t.get("power_watts") is not None]
+                gpus[gpu] = {"busy_ratio_mean": sum(busy) / len(busy) if busy else None,
+                             "power_watts_mean": sum(power) / len(power) if power else None}
+            rec = {"start": p["start"], "seconds": round(seconds, 3), "running": p["running"],
+                   "waiting": p["waiting"], "worst_state": p["worst_state"], "gpus": gpus}
+            e.pauses.append(rec)
+            e.pause_sum += seconds
+            for i, b in enumerate(PAUSE_BUCKETS):
+                if seconds <= b:
+                    e.pause_buckets[i] += 1
+            self._event(e, "engine_pause", "info" if p["worst_state"] not in ("stalled", "unhealthy") else "warning",
+                        f"engine {e.cfg.name}: no progress for {seconds:.1f} s, then progress again by itself"
+                        f" (running {rec['running']}, waiting {rec['waiting']})", pause=rec)
+
+    def pause_histograms(self) -> dict[str, tuple[list[int], float, int]]:
+        """engine -> (cumulative bucket counts for PAUSE_BUCKETS, sum, count)."""
+        return {n: (list(e.pause_buckets), e.pause_sum, len(e.pauses) if len(e.pauses) < e.pauses.maxlen else
+                    e.pause_buckets[-1] + sum(1 for p in e.pauses if p["seconds"] > PAUSE_BUCKETS[-1]))
+                for n, e in self._engines.items()}
+
+    @staticmethod
+    def _longest_pause_today(e: _Engine, now: float) -> float | None:
+        day = time.strftime("%Y-%m-%d", time.gmtime(now))
+        today = [p["seconds"] for p in e.pauses if time.strftime("%Y-%m-%d", time.gmtime(p["start"])) == day]
+        return max(today) if today else None
 
     def _snapshot(self, e: _Engine, v: Verdict, probe: ProbeResult, procs: EngineProcesses | None,
                   now: float, error: str | None) -> EngineSnapshot:
@@ -338,7 +419,9 @@ class EngineWatchdog:
             last_action=e.last_action, time_to_ready_seconds=v.time_to_ready, url=e.cfg.url,
             gpus=self._gpu_names(e), gpu_pid=procs.gpu_pid if procs else None, reason=v.reason,
             health=probe.health if procs else None, metrics_error=probe.metrics_error if procs else None,
-            stall_window_seconds=v.stall_window, polled_at=now, polls=e.polls, error=error, evidence=ev)
+            stall_window_seconds=v.stall_window, polled_at=now, polls=e.polls, error=error, evidence=ev,
+            pauses=len(e.pauses), longest_pause_today_seconds=self._longest_pause_today(e, now),
+            last_incident=e.last_incident)
 
     async def _transitions(self, e: _Engine, prev: EngineSnapshot | None, v: Verdict, probe: ProbeResult,
                            procs: EngineProcesses | None, now: float) -> None:
@@ -357,22 +440,44 @@ class EngineWatchdog:
         if v.state == "down" and prev is not None and prev.state != "down":
             self._event(e, "engine_down", "warning", f"engine {cfg.name}: no process", last_state=prev.state)
         if v.state in ("stalled", "unhealthy") and v.reason:
-            if e.episode != v.reason:
-                e.episode = v.reason
+            if e.episode is None:
+                e.episode, e.episode_at, e.dumped, e.acted = v.reason, now, False, False
                 await self._on_bad(e, v, procs, now)
+            e.episode = v.reason
+            await self._graded(e, v, procs, now)
         elif v.state not in ("stalled", "unhealthy"):
             if e.episode is not None and v.state in ("busy", "idle"):
-                self._event(e, "engine_recovered", "info", f"engine {cfg.name} progressing again")
+                held = now - (e.episode_at or now)
+                self._event(e, "engine_recovered", "info", f"engine {cfg.name} progressing again"
+                            + ("" if e.acted else f" {held:.1f} s after the stall was declared, before kill_after: "
+                               "recorded, not killed"))
             e.episode = None
+            e.episode_at = None
 
     async def _on_bad(self, e: _Engine, v: Verdict, procs: EngineProcesses | None, now: float) -> None:
+        """The stall is declared: alert (and start collecting: the readings are kept)."""
         cfg = e.cfg
         kind = "engine_stalled" if v.state == "stalled" else "engine_unhealthy"
         evidence = dict(e.snapshot.evidence) if e.snapshot else dict(v.evidence)
+        later = cfg.effective_kill_after - cfg.stall_after
         msg = (f"engine {cfg.name} {v.state}: {v.reason} (no progress {v.no_progress_seconds:.1f} s, "
                f"window {v.stall_window:.1f} s, running {evidence.get('running')}, "
-               f"waiting {evidence.get('waiting')}, cpu {evidence.get('cpu_percent')} %)")
+               f"waiting {evidence.get('waiting')}, cpu {evidence.get('cpu_percent')} %)"
+               + (f"; {cfg.action} in {later:g} s unless it recovers" if later > 0 and cfg.action != "alert" else ""))
         self._event(e, kind, "alert", msg, reason=v.reason, evidence=evidence)
+
+    async def _graded(self, e: _Engine, v: Verdict, procs: EngineProcesses | None, now: float) -> None:
+        """Issue 22: bundle at dump_after, act at kill_after (offsets from the declaration,
+        which came at stall_after, or later where a prompt batch stretched the bound)."""
+        cfg = e.cfg
+        since = now - (e.episode_at or now)
+        jitter = 0.1 * cfg.poll_interval
+        evidence = dict(e.snapshot.evidence) if e.snapshot else dict(v.evidence)
+        if not e.dumped and since >= cfg.effective_dump_after - cfg.stall_after - jitter and procs is not None:
+            await self._dump(e, procs, v.reason or "stalled", evidence, now)
+        if e.acted or since < cfg.effective_kill_after - cfg.stall_after - jitter:
+            return
+        e.acted = True
         action = cfg.action
         if v.state == "unhealthy" and not cfg.act_on_unhealthy:
             action = "alert"
@@ -384,10 +489,35 @@ class EngineWatchdog:
         else:
             await self._restart(e, procs, v.reason or "stalled", evidence, now)
 
+    async def _dump(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float) -> None:
+        """Take the incident bundle: the process snapshot now (bounded), the rest in the
+        background (incidents.py); never more than one per episode."""
+        e.dumped = True
+        if self.incidents is None:
+            return
+        cfg = e.cfg
+        decision = {"engine": cfg.name, "kind": cfg.kind, "reason": reason, "time": now, "action": cfg.action,
+                    "episode_declared_at": e.episode_at, "evidence": evidence,
+                    "graded": {"stall_after": cfg.stall_after, "dump_after": cfg.effective_dump_after,
+                               "kill_after": cfg.effective_kill_after},
+                    "pause_in_progress": dict(e.pause) if e.pause else None}
+        samples = list(e.samples) + [{"raw_metrics": r} for r in e.raw]
+        try:
+            bundle = await self.incidents.begin(cfg.name, now, decision, list(procs.pids), samples,
+                                                list(self._gpu_names(e)), SAMPLE_WINDOW)
+        except Exception:  # noqa: BLE001 - evidence is best effort; the action must go on
+            log.exception("engine %s: incident bundle failed", cfg.name)
+            return
+        e.last_incident = bundle.path.name
+        self._event(e, "engine_incident", "info", f"engine {cfg.name}: incident bundle {bundle.path}",
+                    path=str(bundle.path), notes=list(bundle.notes))
+
     # -- actions -------------------------------------------------------------------------
     async def _kill(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float,
                     who: str = "policy") -> KillResult:
         cfg = e.cfg
+        if not e.dumped or e.episode is None:  # per kill: API and kernel kills too
+            await self._dump(e, procs, reason, evidence, now)
         result = await kill_engine(procs.pids, cfg.grace, cgroup=procs.cgroup)
         self._actions[(cfg.name, "kill", reason)] += 1
         e.last_action = f"kill ({reason})"
