@@ -128,8 +128,15 @@ class Daemon:
             # issue 13: which processes hold which GPU (fdinfo under the host's /proc, NVML)
             nvml = next((s for s in self.sources if getattr(s, "name", "") == "nvml"), None)
             attribution = GpuAttribution(self.root.path("/proc"), nvml, gpu_names=lambda: dict(self.poller.names))
+            from gpuguard.engines import host_context
+            from gpuguard.engines.incidents import IncidentStore
+
+            # issue 22: incident bundles under state_dir/incidents, pause statistics
+            incidents = IncidentStore(os.path.join(config.state_dir, "incidents"),
+                                      context=host_context.window(self.hub, self.recorder))
             self.engines = EngineWatchdog(config.engines, audit=self._engine_audit, publish=self.hub.publish,
-                                          attribution=attribution)
+                                          attribution=attribution, incidents=incidents,
+                                          gpu_telemetry=host_context.gpu_now(self.hub))
             self.metrics.add_producer(lambda: engine_metrics(self.engines))
             self.actions.provide_from(EngineActions(self.engines))
             # INCIDENTS §1: a hang on a GPU kills its engines at once; after a reset every

@@ -69,5 +69,9 @@ class EngineActions:
         snaps = self.wd.snapshots()
         return [snaps[n].to_dict() if n in snaps else {"name": n, "state": "unknown"} for n in sorted(self.wd._engines)]
 
+    def incidents(self) -> list[dict[str, Any]]:
+        """Incident bundles under state_dir/incidents (issue 22), oldest first."""
+        return self.wd.incidents.list() if self.wd.incidents is not None else []
+
     def caches(self) -> list[str]:
         return sorted(c.name for e in self.wd._engines.values() for c in e.cfg.caches)

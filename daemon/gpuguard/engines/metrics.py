@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from gpuguard.engines.watchdog import EngineWatchdog
+from gpuguard.engines.watchdog import PAUSE_BUCKETS, EngineWatchdog
 
 
 def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
@@ -54,4 +54,10 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
     for g, gpu, engine in wd.gpu_processes():
         if g.vram_bytes is not None:
             held.add_metric([gpu, str(g.pid), g.comm, engine], float(g.vram_bytes))
-    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, caches, held)
+    pauses = HistogramMetricFamily("gpuguard_engine_pause_seconds",
+                                   "No-progress periods with work pending that ended by themselves (issue 22): how "
+                                   "long freezes last, to choose kill_after", labels=["engine"])
+    for name, (buckets, total, count) in sorted(wd.pause_histograms().items()):
+        pauses.add_metric([name], [(f"{b:g}", float(n)) for b, n in zip(PAUSE_BUCKETS, buckets)] + [("+Inf", float(count))],
+                          total)
+    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, caches, held, pauses)

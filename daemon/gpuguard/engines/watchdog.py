@@ -60,6 +60,7 @@ class _Engine:
     pauses: deque = field(default_factory=lambda: deque(maxlen=1000))  # pauses that ended by themselves
     pause_buckets: list = field(default_factory=lambda: [0] * len(PAUSE_BUCKETS))
     pause_sum: float = 0.0
+    pause_count: int = 0
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -354,7 +355,7 @@ class EngineWatchdog:
         if v.state in ("down", "starting") or v.new_pid:
             e.pause = None
             return
-        if v.no_progress_seconds >= pause_min:
+        if v.no_progress_seconds >= pause_min or (v.stalled and v.no_progress_seconds > 0):
             if e.pause is None:
                 r = v.reading
                 e.pause = {"start": now - v.no_progress_seconds, "running": r.running if r else None,
@@ -380,6 +381,7 @@ class EngineWatchdog:
                    "waiting": p["waiting"], "worst_state": p["worst_state"], "gpus": gpus}
             e.pauses.append(rec)
             e.pause_sum += seconds
+            e.pause_count += 1
             for i, b in enumerate(PAUSE_BUCKETS):
                 if seconds <= b:
                     e.pause_buckets[i] += 1
@@ -389,9 +391,7 @@ class EngineWatchdog:
 
     def pause_histograms(self) -> dict[str, tuple[list[int], float, int]]:
         """engine -> (cumulative bucket counts for PAUSE_BUCKETS, sum, count)."""
-        return {n: (list(e.pause_buckets), e.pause_sum, len(e.pauses) if len(e.pauses) < e.pauses.maxlen else
-                    e.pause_buckets[-1] + sum(1 for p in e.pauses if p["seconds"] > PAUSE_BUCKETS[-1]))
-                for n, e in self._engines.items()}
+        return {n: (list(e.pause_buckets), e.pause_sum, e.pause_count) for n, e in self._engines.items()}
 
     @staticmethod
     def _longest_pause_today(e: _Engine, now: float) -> float | None:
@@ -420,7 +420,7 @@ class EngineWatchdog:
             gpus=self._gpu_names(e), gpu_pid=procs.gpu_pid if procs else None, reason=v.reason,
             health=probe.health if procs else None, metrics_error=probe.metrics_error if procs else None,
             stall_window_seconds=v.stall_window, polled_at=now, polls=e.polls, error=error, evidence=ev,
-            pauses=len(e.pauses), longest_pause_today_seconds=self._longest_pause_today(e, now),
+            pauses=e.pause_count, longest_pause_today_seconds=self._longest_pause_today(e, now),
             last_incident=e.last_incident)
 
     async def _transitions(self, e: _Engine, prev: EngineSnapshot | None, v: Verdict, probe: ProbeResult,

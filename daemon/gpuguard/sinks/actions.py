@@ -16,6 +16,7 @@ Provider contract (what each callable receives and may raise):
   profiles() -> list of {"name": str, ...}       the configured profiles, JSON-able
   caches() -> list[str]                          names of configured compile caches
   pcie() -> dict                                 the PCIe report, JSON-able
+  incidents() -> list of {"name": str, ...}      engine incident bundles (issue 22)
 Raise `UnknownTarget` (404) for a name the provider does not know and `ActionRefused`
 (409) for a refused action (out of range, GPU lost, ...); the message is shown as is.
 Mutating providers may be coroutine functions; plain functions run in a worker thread
@@ -78,6 +79,7 @@ class Actions:
     profiles: Callable[[], Any] | None = None
     caches: Callable[[], Any] | None = None
     pcie: Callable[[], Any] | None = None
+    incidents: Callable[[], Any] | None = None
 
     @classmethod
     def names(cls) -> list[str]:
