@@ -260,3 +260,68 @@ def test_real_rate_counts_every_busy_slot(llama_four_slots):
     mean = sum(rates) / len(rates)
     assert len(rates) >= 6, rates
     assert abs(mean - engine_rate) <= 0.1 * engine_rate, (mean, engine_rate, rates)
+
+
+def test_real_sigstopped_server_yields_a_bundle_then_is_killed_at_kill_after(llama, tmp_path):
+    """Issue 22: the evidence before the kill — process state T, its wchan, the metrics
+    window — then the kill at kill_after (not at stall_after)."""
+    import json
+
+    from gpuguard.engines.incidents import IncidentStore
+
+    proc, port, url = llama
+    _long_generation(url)
+    kill_after = STALL_AFTER + 2.0
+    cfg = engine_cfg("llama", "llamacpp", url, process={"cmdline": rf"llama-server .*--port {port}( |$)"},
+                     stall_after=STALL_AFTER, dump_after=STALL_AFTER + 1.0, kill_after=kill_after,
+                     poll_interval=POLL, http_timeout=HTTP_TIMEOUT, action="kill", grace=GRACE)
+    store = IncidentStore(tmp_path / "incidents", pyspy=None)
+    audit, events = [], []
+    wd = EngineWatchdog([cfg], audit.append, events.append, incidents=store)
+
+    async def scenario():
+        assert await run_watchdog_until(
+            wd, lambda: (s := wd.snapshots().get("llama")) and s.state == "busy" and s.polls >= 6, 30)
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        done = await run_watchdog_until(wd, lambda: audit and not alive(proc.pid), 30)
+        await store.aclose()
+        return done, time.monotonic() - t0
+
+    done, elapsed = asyncio.run(scenario())
+    assert done, [e.message for e in events]
+    assert kill_after - POLL <= elapsed <= kill_after + POLL + GRACE + HTTP_TIMEOUT + SLACK, elapsed
+    kinds = [e.kind for e in events]
+    assert kinds.index("engine_stalled") < kinds.index("engine_incident") < kinds.index("engine_killed"), kinds
+    (folder,) = (tmp_path / "incidents").iterdir()
+    (p,) = json.loads((folder / "processes.json").read_text())
+    assert p["pid"] == proc.pid and p["state"] == "T" and p["wchan"], p
+    lines = [json.loads(x) for x in (folder / "samples.jsonl").read_text().splitlines()]
+    assert sum(1 for x in lines if x.get("reading")) >= 4
+    assert any("llamacpp:n_decode_total" in x["raw_metrics"]["metrics"] for x in lines if "raw_metrics" in x)
+
+
+def test_real_short_pause_is_not_killed_and_lands_in_the_histogram(llama):
+    proc, port, url = llama
+    _long_generation(url)
+    cfg = engine_cfg("llama", "llamacpp", url, process={"cmdline": rf"llama-server .*--port {port}( |$)"},
+                     stall_after=STALL_AFTER, kill_after=STALL_AFTER + 6.0, poll_interval=POLL,
+                     http_timeout=HTTP_TIMEOUT, action="kill", grace=GRACE)
+    audit, events = [], []
+    wd = EngineWatchdog([cfg], audit.append, events.append)
+
+    async def scenario():
+        assert await run_watchdog_until(
+            wd, lambda: (s := wd.snapshots().get("llama")) and s.state == "busy" and s.tokens_per_second, 30)
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert await run_watchdog_until(wd, lambda: any(e.kind == "engine_stalled" for e in events), 20)
+        os.kill(proc.pid, signal.SIGCONT)
+        return await run_watchdog_until(wd, lambda: any(e.kind == "engine_pause" for e in events), 20)
+
+    assert asyncio.run(scenario()), [e.kind for e in events]
+    assert audit == [] and alive(proc.pid)
+    from gpuguard.engines.metrics import engine_metrics
+
+    fam = next(f for f in engine_metrics(wd) if f.name == "gpuguard_engine_pause_seconds")
+    assert next(s.value for s in fam.samples if s.name.endswith("_count")) == 1
+    assert next(s.value for s in fam.samples if s.name.endswith("_sum")) >= STALL_AFTER - POLL
