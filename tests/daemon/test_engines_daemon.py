@@ -78,6 +78,12 @@ def test_stalled_engine_alerts_the_webhook_within_a_second_and_is_killed(sim, st
     m = d.metrics()
     acts = {dict(l)["reason"]: v for (n, l), v in m.items() if n == "gpuguard_engine_actions_total" and dict(l)["engine"] == "vllm-a"}
     assert sum(acts.values()) == 1, acts
+    # issue 22: the kill left an incident bundle under state_dir/incidents, listed by the API
+    bundles = wait_for(lambda: [b for b in httpx.get(f"{d.base}/v1/incidents", timeout=5).json() if b.get("complete")],
+                       timeout=30, what="a complete incident bundle")
+    assert bundles[0]["engine"] == "vllm-a" and "processes.json" in bundles[0]["files"]
+    assert bundles[0]["path"].startswith(str(tmp_path / "state" / "incidents"))
+    assert "context.json" in bundles[0]["files"]  # GPU telemetry and kernel lines of those minutes
     # the CLI reads the same state from the running daemon
     import subprocess, sys
     r = subprocess.run([sys.executable, "-m", "gpuguard", "engines", "--api", d.base, "--json"],
