@@ -84,7 +84,7 @@ def _serve(model_path, *args):
         proc.wait(timeout=10)
 
 
-def _long_generation(url: str, prompt: str = "Tell a very long story about a dragon.", n_predict: int = 100000,
+def _long_generation(url: str, prompt: str | list[int] = "Tell a very long story about a dragon.", n_predict: int = 100000,
                      box: list | None = None) -> threading.Thread:
     def go():
         try:
@@ -178,9 +178,12 @@ def test_real_llama_server_frozen_midgeneration_is_killed(llama):
     assert not alive(proc.pid)
 
 
-def _words(n: int, salt: str) -> str:
-    # distinct text per prompt (no prompt-cache reuse); about one token per word
-    return " ".join(f"{salt}{i % 97}" for i in range(n))
+def _tokens(url: str, n: int, salt: str) -> list[int]:
+    """A prompt of exactly n tokens (llama-server takes token ids as the prompt), distinct per
+    salt so nothing comes from the prompt cache."""
+    base = httpx.post(url + "/tokenize", json={"content": f" {salt} the quick brown fox jumps over the lazy dog"},
+                      timeout=30).json()["tokens"]
+    return (base * (n // len(base) + 1))[:n]
 
 
 def test_real_long_prompt_batch_is_not_a_stall(llama_big_batch):
@@ -203,12 +206,12 @@ def test_real_long_prompt_batch_is_not_a_stall(llama_big_batch):
         assert await run_watchdog_until(wd, lambda: (s := watch()) and s.state == "idle", 30)
         _long_generation(url, "Tell a very long story about a dragon.", 2000)  # decoding throughout
         warm: list = []
-        _long_generation(url, _words(1500, "w"), 1, warm)  # warm-up: shows the prefill rate
+        _long_generation(url, _tokens(url, 1500, "warm"), 1, warm)  # warm-up: shows the prefill rate
         rate = await run_watchdog_until(
             wd, lambda: watch() and (wd.snapshots()["llama"].evidence.get("prefill_batch") or {})
             .get("prefill_rate_tokens_per_second"), 120)
         assert rate, wd.snapshots()
-        _long_generation(url, _words(6000, "p"), 1, done)
+        _long_generation(url, _tokens(url, 6000, "long"), 1, done)
         finished = await run_watchdog_until(wd, lambda: watch() and done, 300)
         return rate, finished
 
