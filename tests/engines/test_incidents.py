@@ -138,12 +138,13 @@ def test_bundles_are_bounded_in_size_and_count(tmp_path):
     async def scenario():
         for i in range(5):
             samples = [{"t": i, "pad": "x" * 500} for _ in range(20)]  # ~10 kB > max_bytes
-            await store.begin("e", 1_800_000_000 + i, {"reason": "test", "i": i}, [os.getpid()], samples, [], 60)
+            engine = "zeta" if i == 0 else "alpha"  # oldest first by time, whatever the engine's name
+            await store.begin(engine, 1_800_000_000 + i, {"reason": "test", "i": i}, [os.getpid()], samples, [], 60)
             await store.aclose()
 
     asyncio.run(scenario())
     listed = store.list()
-    assert [b["name"] for b in listed] == [f"e-20270115T08{m}Z" for m in ("0002.000", "0003.000", "0004.000")]
+    assert [b["name"] for b in listed] == [f"alpha-20270115T08{m}Z" for m in ("0002.000", "0003.000", "0004.000")]
     for b in listed:
         assert b["bytes"] - len((Path(b["path"]) / "summary.json").read_bytes()) <= 4000
         assert any("truncated" in n for n in b["notes"]), b["notes"]

@@ -137,7 +137,7 @@ class IncidentStore:
     def list(self) -> list[dict[str, Any]]:
         out = []
         try:
-            dirs = sorted((d for d in self.root.iterdir() if d.is_dir()), key=lambda d: d.name)
+            dirs = sorted((d for d in self.root.iterdir() if d.is_dir()), key=_age)
         except OSError:
             return []
         for d in dirs:
@@ -225,7 +225,7 @@ class IncidentStore:
 
     def _prepare(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        bundles = sorted((d for d in self.root.iterdir() if d.is_dir() and d != path), key=lambda d: d.name)
+        bundles = sorted((d for d in self.root.iterdir() if d.is_dir() and d != path), key=_age)
         for old in bundles[: max(0, len(bundles) - (self.max_bundles - 1))]:
             shutil.rmtree(old, ignore_errors=True)  # our own bundles: oldest pruned (bounded count)
 
@@ -250,6 +250,11 @@ class IncidentStore:
             done, pending = await asyncio.wait(set(self.pending), timeout=timeout)
             for t in pending:
                 t.cancel()
+
+
+def _age(d: Path) -> tuple[str, str]:
+    """Oldest first across engines: `<engine>-<UTC stamp>`, the stamp has no '-'."""
+    return (d.name.rsplit("-", 1)[-1], d.name)
 
 
 async def _in_thread(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
