@@ -145,7 +145,7 @@ def test_real_llama_server_frozen_midgeneration_is_killed(llama):
 
     async def scenario():
         got = await run_watchdog_until(
-            wd, lambda: (s := wd.snapshots().get("llama")) and s.state == "busy" and s.tokens_per_second, 30)
+            wd, lambda: (s := wd.snapshots().get("llama")) and s.state == "busy" and s.tokens_per_second and s, 30)
         assert got, wd.snapshots()
         polls = got.polls
         os.kill(proc.pid, signal.SIGSTOP)  # frozen mid-generation
@@ -233,34 +233,41 @@ def test_real_rate_counts_every_busy_slot(llama_four_slots):
     for i in range(4):
         _long_generation(url, f"Story number {i} about a dragon.", 100000)
     wd = EngineWatchdog([_cfg(port, url)], lambda r: None, lambda e: None)
-    rates: list[float] = []
+    rates: list[tuple[float, float]] = []  # (seconds since the previous poll, tokens/s)
+    marks: list[tuple[int, float]] = []  # the engine's own count right after the first and last poll
 
     def own():
         slots = httpx.get(url + "/slots", timeout=10).json()
         busy = [s for s in slots if s.get("is_processing")]
-        return sum(s["next_token"][0]["n_decoded"] for s in busy), len(busy), time.monotonic()
+        assert len(busy) == 4, slots
+        return sum(s["next_token"][0]["n_decoded"] for s in busy), time.time()
 
     async def scenario():
         assert await run_watchdog_until(
             wd, lambda: (s := wd.snapshots().get("llama")) and s.requests_running == 4 and s.tokens_per_second, 60)
-        a = await asyncio.to_thread(own)
-        last = [0]
+        last = [wd.snapshots()["llama"]]
+        t_end = time.monotonic() + 10.0
 
         def collect():
             s = wd.snapshots()["llama"]
-            if s.polls != last[0] and s.tokens_per_second is not None:
-                last[0] = s.polls
-                rates.append(s.tokens_per_second)
+            if s.polls == last[0].polls:
+                return False
+            if not marks:
+                marks.append(own())  # blocking on purpose: aligned with this poll
+            elif s.tokens_per_second is not None:
+                rates.append((s.polled_at - last[0].polled_at, s.tokens_per_second))
+            last[0] = s
+            if time.monotonic() > t_end:
+                marks.append(own())
+                return True
+            return False
 
-        t_end = time.monotonic() + 6.0
-        await run_watchdog_until(wd, lambda: collect() or time.monotonic() > t_end, 15)
-        b = await asyncio.to_thread(own)
-        return a, b
+        assert await run_watchdog_until(wd, collect, 30)
 
-    (na, busy_a, ta), (nb, busy_b, tb) = asyncio.run(scenario())
-    assert busy_a == busy_b == 4
+    asyncio.run(scenario())
+    (na, ta), (nb, tb) = marks
     engine_rate = (nb - na) / (tb - ta)
-    mean = sum(rates) / len(rates)
+    mean = sum(dt * r for dt, r in rates) / sum(dt for dt, _ in rates)  # over the same seconds
     assert len(rates) >= 6, rates
     assert abs(mean - engine_rate) <= 0.1 * engine_rate, (mean, engine_rate, rates)
 
@@ -319,12 +326,16 @@ def test_real_short_pause_is_not_killed_and_lands_in_the_histogram(llama):
         os.kill(proc.pid, signal.SIGSTOP)
         assert await run_watchdog_until(wd, lambda: any(e.kind == "engine_stalled" for e in events), 20)
         os.kill(proc.pid, signal.SIGCONT)
-        return await run_watchdog_until(wd, lambda: any(e.kind == "engine_pause" for e in events), 20)
+        return await run_watchdog_until(wd, lambda: [e.fields["pause"] for e in events if e.kind == "engine_pause"
+                                                     and e.fields["pause"]["worst_state"] == "stalled"], 20)
 
-    assert asyncio.run(scenario()), [e.kind for e in events]
-    assert audit == [] and alive(proc.pid)
+    frozen = asyncio.run(scenario())
+    assert frozen, [e.kind for e in events]
+    assert audit == [] and alive(proc.pid) and "engine_killed" not in [e.kind for e in events]
+    assert frozen[0]["seconds"] >= STALL_AFTER - POLL
     from gpuguard.engines.metrics import engine_metrics
 
     fam = next(f for f in engine_metrics(wd) if f.name == "gpuguard_engine_pause_seconds")
-    assert next(s.value for s in fam.samples if s.name.endswith("_count")) == 1
-    assert next(s.value for s in fam.samples if s.name.endswith("_sum")) >= STALL_AFTER - POLL
+    pauses = [e.fields["pause"]["seconds"] for e in events if e.kind == "engine_pause"]  # a loaded box pauses too
+    assert next(s.value for s in fam.samples if s.name.endswith("_count")) == len(pauses)
+    assert next(s.value for s in fam.samples if s.name.endswith("_sum")) == pytest.approx(sum(pauses), abs=0.01)
