@@ -10,7 +10,6 @@ import os
 import signal
 from pathlib import Path
 
-from prometheus_client.core import Metric  # noqa: F401 - the families below are real ones
 
 from gpuguard.engines.attribution import GpuAttribution, parse_fdinfo, scan_fdinfo, scan_nvml
 from gpuguard.engines.metrics import engine_metrics

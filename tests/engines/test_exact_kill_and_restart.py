@@ -15,7 +15,6 @@ import pytest
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import DAEMON, alive, engine_cfg, free_port, run_watchdog_until, sim_env, wait_for
-from engines_harness import SimEngine
 
 CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.procs").exists() else Path("/sys/fs/cgroup")
 
