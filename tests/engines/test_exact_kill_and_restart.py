@@ -35,7 +35,8 @@ def test_bystander_in_the_engines_session_survives_the_kill():
         engine = wait_for(lambda: next((c for c in psutil.Process(shell.pid).children()
                                         if "gpuguard.sim.engines" in " ".join(c.cmdline())), None), 15,
                           what="engine started")
-        sleeper = next(c for c in psutil.Process(shell.pid).children() if c.name() == "sleep")
+        sleeper = wait_for(lambda: next((c for c in psutil.Process(shell.pid).children() if c.name() == "sleep"), None),
+                           15, what="the bystander started")
         wait_for(lambda: len(engine.children()) == 1, 15, what="EngineCore child")
         tree = [engine.pid] + [c.pid for c in engine.children(recursive=True)]
         cfg = engine_cfg("v", "vllm", f"http://127.0.0.1:{port}", grace=1.0,
