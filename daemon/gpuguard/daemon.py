@@ -159,7 +159,20 @@ class Daemon:
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
         if config.engines:
-            self.engines = EngineWatchdog(config.engines, audit=self._engine_audit, publish=self.hub.publish)
+            from gpuguard.engines.attribution import GpuAttribution
+
+            # issue 13: which processes hold which GPU (fdinfo under the host's /proc, NVML)
+            nvml = next((s for s in self.sources if getattr(s, "name", "") == "nvml"), None)
+            attribution = GpuAttribution(self.root.path("/proc"), nvml, gpu_names=lambda: dict(self.poller.names))
+            from gpuguard.engines import host_context
+            from gpuguard.engines.incidents import IncidentStore
+
+            # issue 22: incident bundles under state_dir/incidents, pause statistics
+            incidents = IncidentStore(os.path.join(config.state_dir, "incidents"),
+                                      context=host_context.window(self.hub, self.recorder))
+            self.engines = EngineWatchdog(config.engines, audit=self._engine_audit, publish=self.hub.publish,
+                                          attribution=attribution, incidents=incidents,
+                                          gpu_telemetry=host_context.gpu_now(self.hub))
             self.metrics.add_producer(lambda: engine_metrics(self.engines))
             self.actions.provide_from(EngineActions(self.engines))
             # INCIDENTS §1: a hang on a GPU kills its engines at once; after a reset every
@@ -300,7 +313,7 @@ class Daemon:
                 log.error("reload rejected, keeping the running config and tokens: %s", e)
                 return False
             live = set(LIVE_SECTIONS)
-            if self.engines is not None and hasattr(self.engines, "configure"):
+            if self.engines is not None and hasattr(self.engines, "reconfigure"):
                 live.add("engines")
             if self.kernel_router is None:
                 live.discard("kernel")  # not running: starting it is a restart
@@ -323,7 +336,7 @@ class Daemon:
             if self.recorder is not None:
                 self.recorder.keep_seconds = cfg.recorder.keep_seconds
             if "engines" in live and any(k.startswith("engines") for k in plan.live):
-                self.engines.configure(cfg.engines)  # type: ignore[union-attr]
+                log.info("reload: engines %s", self.engines.reconfigure(cfg.engines))  # type: ignore[union-attr]
             self.gpus.configure(cfg.gpus, {e.name: tuple(e.gpus) for e in cfg.engines})
             if any(k.startswith("kernel") for k in plan.live):
                 self._reload_kernel(cfg, plan)

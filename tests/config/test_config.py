@@ -95,5 +95,5 @@ def test_the_commented_examples_in_the_annotated_config_are_valid():
     assert [g.name for g in c.gpus] == ["r9700-a", "xtx-0"]
     assert c.gpus[1].expect_link.gen == 4
     assert set(c.profiles) == {"psu-safe", "xtx-2000"}
-    assert [e.name for e in c.engines] == ["qwen", "custom"]
+    assert [e.name for e in c.engines] == ["qwen", "gemma", "custom"]
     assert c.webhooks and c.webhooks[0].retries == 3

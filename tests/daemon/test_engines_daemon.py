@@ -78,6 +78,12 @@ def test_stalled_engine_alerts_the_webhook_within_a_second_and_is_killed(sim, st
     m = d.metrics()
     acts = {dict(l)["reason"]: v for (n, l), v in m.items() if n == "gpuguard_engine_actions_total" and dict(l)["engine"] == "vllm-a"}
     assert sum(acts.values()) == 1, acts
+    # issue 22: the kill left an incident bundle under state_dir/incidents, listed by the API
+    bundles = wait_for(lambda: [b for b in httpx.get(f"{d.base}/v1/incidents", timeout=5).json() if b.get("complete")],
+                       timeout=30, what="a complete incident bundle")
+    assert bundles[0]["engine"] == "vllm-a" and "processes.json" in bundles[0]["files"]
+    assert bundles[0]["path"].startswith(str(tmp_path / "state" / "incidents"))
+    assert "context.json" in bundles[0]["files"]  # GPU telemetry and kernel lines of those minutes
     # the CLI reads the same state from the running daemon
     import subprocess, sys
     r = subprocess.run([sys.executable, "-m", "gpuguard", "engines", "--api", d.base, "--json"],
@@ -104,3 +110,18 @@ def test_kernel_hang_on_a_gpu_kills_its_engine_at_once(sim, start_daemon, engine
     assert all(alive(p) for p in r_tree)  # the engine on the other GPU is untouched
     events = httpx.get(f"{d.base}/v1/events", timeout=5).json()
     assert any(e["kind"] == "engine_killed" and e["engine"] == "llama-xtx" for e in events)
+
+
+def test_sighup_applies_engines_changes(sim, start_daemon, engines, wait_for):
+    """Issue 13: a reload adds and removes watched engines in the running daemon."""
+    import signal
+
+    a, b = engines("vllm"), engines("llamacpp")
+    d = start_daemon(sim.mount, NAMES + "engines:\n" + engine_yaml("vllm-a", a, "xtx-0"))
+    wait_for(lambda: d.value("gpuguard_engine_up", engine="vllm-a") == 1, what="vllm-a watched")
+    text = d.config.read_text().replace(engine_yaml("vllm-a", a, "xtx-0"), engine_yaml("llama-b", b, "r9700-a"))
+    d.config.write_text(text)
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: d.value("gpuguard_engine_up", engine="llama-b") == 1, timeout=20, what="llama-b watched after SIGHUP")
+    assert d.value("gpuguard_engine_up", engine="vllm-a") is None
+    assert "reload: engines {'added': ['llama-b'], 'removed': ['vllm-a'], 'changed': []}" in d.log.read_text()

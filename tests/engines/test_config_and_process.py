@@ -16,7 +16,7 @@ from engines_harness import engine_cfg, wait_for
 
 
 def test_config_errors_name_the_key():
-    with pytest.raises(ValidationError, match="exactly one of systemd_unit, pid_file, cmdline"):
+    with pytest.raises(ValidationError, match="exactly one of systemd_unit, cgroup, pid_file, cmdline"):
         engine_cfg("e", "vllm", "http://127.0.0.1:1", process={"systemd_unit": "a", "cmdline": "b"})
     with pytest.raises(ValidationError, match="kind generic needs metrics.heartbeat"):
         engine_cfg("e", "generic", "http://127.0.0.1:1", process={"cmdline": "x"})
@@ -63,7 +63,7 @@ def test_resolve_pid_file_and_vllm_engine_core(tmp_path, sims):
     procs = resolve(cfg)
     assert procs.main_pid == sim.pid
     assert procs.gpu_pid != sim.pid and procs.gpu_pid in procs.pids  # the EngineCore child
-    assert procs.pgid == sim.pid  # its own session: the group kill takes both
+    assert set(sim.tree()) <= set(procs.pids)  # the tree: what the kill takes, nothing else
     by_cmd = resolve(engine_cfg("v", "vllm", sim.url, process={"cmdline": rf"--kind vllm --port {sim.port}( |$)"}))
     assert by_cmd.main_pid == sim.pid and by_cmd.gpu_pid == procs.gpu_pid
     sim.stop()

@@ -1,6 +1,7 @@
-"""Restart by policy without systemd (kill, and the service manager's Restart= brings it
-back); the engine is `starting` until the NEW process answers ready, with no stall
-detection meanwhile, and time-to-ready is measured from the new PID's start (§8)."""
+"""Restart by policy through a restart command (here: SIGHUP to the Restart= stand-in, which
+restarts its engine like `systemctl restart`); the engine is `starting` until the NEW
+process answers ready, with no stall detection meanwhile, time-to-ready is measured from
+the new PID's start (§8), and the audit and events say it came back (issue 13)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,8 @@ def test_restart_then_starting_until_new_pid_ready(tmp_path, sims):
     sim = sims("llamacpp", "--ready-after", str(READY_AFTER), "--pid-file", str(pidf), supervise=True,
                wait_ready=False)
     cfg = engine_cfg("e", "llamacpp", sim.url, process={"pid_file": str(pidf)}, poll_interval=0.1,
-                     http_timeout=0.3, stall_after=1.0, action="restart", grace=0.5)
+                     http_timeout=0.3, stall_after=1.0, action="restart", grace=0.5,
+                     restart_command=["kill", "-HUP", str(sim.pid)])
     audit, events = [], []
     wd = EngineWatchdog([cfg], audit.append, events.append)
     states: list[tuple[str, int | None]] = []
@@ -43,9 +45,13 @@ def test_restart_then_starting_until_new_pid_ready(tmp_path, sims):
 
     first_pid, s2 = asyncio.run(scenario())
     restarts = [r for r in audit if r["what"] == "restart"]
-    assert len(restarts) == 1 and restarts[0]["why"] == "heartbeat_flat"
-    assert restarts[0]["result"]["restart"].startswith("left to the service manager")
-    assert restarts[0]["result"]["kill"]["gone"]
+    assert len(restarts) == 2 and {r["why"] for r in restarts} == {"heartbeat_flat"}
+    assert restarts[0]["result"]["command"]["returncode"] == 0
+    assert restarts[0]["result"]["outcome"].startswith("command ran; waiting")
+    assert restarts[1]["result"]["outcome"] == "came back" and restarts[1]["result"]["pid"] == s2.pid
+    back = [e for e in events if e.kind == "engine_restarted"]
+    assert len(back) == 1 and back[0].fields["pid"] == s2.pid
+    assert not [e for e in events if e.kind == "engine_restart_failed"]
     # while the new process loaded (1.5 s > stall_after 1 s) it was `starting`, never stalled
     after = states[states.index(next(x for x in states if x[0] == "stalled")) + 1:]
     new = [st for st, pid in after if pid == s2.pid]

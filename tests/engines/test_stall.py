@@ -6,8 +6,10 @@ from gpuguard.engines.adapters import EngineReading
 from gpuguard.engines.stall import Observation, StallSettings, StallTracker
 
 
-def R(running=0, waiting=0, hb=0.0, tokens=None, decode=None, prefill=None):
-    return EngineReading(running, waiting, hb, tokens if tokens is not None else hb, decode, prefill)
+def R(running=0, waiting=0, hb=0.0, tokens=None, decode=None, prefill=None, live=None, prefill_seconds=None):
+    """A scrape; live tokens (the rate's source) move with the step counter unless given."""
+    return EngineReading(running, waiting, hb, tokens if tokens is not None else hb, decode, prefill,
+                         prefill_seconds, live if live is not None else hb)
 
 
 def tracker(**kw):
@@ -202,3 +204,114 @@ def test_decode_gap_when_prefill_starves_decode():
         v = ready_at(tr, 101.0 + i, R(2, 0, hb=11 + i, decode=110, prefill=1000 + 2048 * i))
     assert not v.stalled
     assert v.decode_gap_seconds == 5.0 and v.no_progress_seconds == 0.0
+
+
+# -- issue 13: progress of any kind, the prefill batch bound, unresponsive, honest rates ----
+
+def obs(t, reading, *, health="ready", cpu=None, state="R", batch=4096, pid=10):
+    return Observation(t, pid, 0.0, health, reading, None if reading is not None else "timeout", cpu,
+                       process_state=state, batch_tokens=batch)
+
+
+def warm_llama(tr, t0=100.0):
+    """Two scrapes that show a prefill rate of 400 tokens/s by the engine's own clock."""
+    tr.observe(obs(t0, R(1, 0, hb=10, prefill=0, prefill_seconds=0.0), cpu=1.0))
+    v = tr.observe(obs(t0 + 1, R(1, 0, hb=20, prefill=800, prefill_seconds=2.0), cpu=2.0))
+    assert v.evidence["prefill_batch"]["prefill_rate_tokens_per_second"] == 400.0
+    return t0 + 1
+
+
+def test_prompt_tokens_moving_is_progress():
+    tr = tracker()
+    ready_at(tr, 100.0, R(1, 1, hb=5, prefill=0))
+    for i in range(1, 10):
+        v = ready_at(tr, 100.0 + i, R(1, 1, hb=5, prefill=1000 * i))
+        assert not v.stalled and v.no_progress_seconds == 0.0
+
+
+def test_long_prompt_batch_is_allowed_its_time_at_the_measured_rate():
+    """llama-server runs one n_batch (4096) prompt batch in one llama_decode: nothing moves
+    and /metrics answers nothing; at 400 tokens/s x margin 2 that may take 20.48 s."""
+    tr = tracker(stall_after=8.0)
+    t = warm_llama(tr)
+    for i in range(1, 21):  # 20 s of silence, the process on CPU
+        v = tr.observe(obs(t + i, None, cpu=2.0 + i))
+        assert not v.stalled, (i, v.reason, dict(v.evidence))
+        assert v.state == "busy" and v.tokens_per_second is None
+    assert v.evidence["prefill_batch"]["applies"] and v.evidence["prefill_batch"]["bound_seconds"] == 20.48
+    v = tr.observe(obs(t + 21, None, cpu=23.0))
+    assert v.stalled and v.reason == "heartbeat_flat" and v.stall_window == 20.48
+    assert "nothing from outside separates" in v.evidence["prefill_batch"]["note"]
+
+
+def test_batch_ceiling_caps_the_bound():
+    tr = tracker(stall_after=8.0, prefill_ceiling=12.0)
+    t = warm_llama(tr)
+    assert not tr.observe(obs(t + 11, None, cpu=5.0)).stalled
+    assert tr.observe(obs(t + 12, None, cpu=6.0)).stalled
+
+
+def test_stopped_process_gets_no_batch_stretch():
+    tr = tracker(stall_after=8.0)
+    t = warm_llama(tr)
+    v = tr.observe(obs(t + 4, None, health="timeout", cpu=2.0, state="T"))
+    assert v.state == "unresponsive" and v.tokens_per_second is None and not v.stalled
+    v = tr.observe(obs(t + 8, None, health="timeout", cpu=2.0, state="T"))
+    assert v.stalled and v.stall_window == 8.0
+    assert v.evidence["prefill_batch"]["why_not"].startswith("process state T")
+
+
+def test_process_using_no_cpu_gets_no_batch_stretch():
+    tr = tracker(stall_after=8.0)
+    t = warm_llama(tr)
+    tr.observe(obs(t + 4, None, cpu=2.5, state="S"))
+    v = tr.observe(obs(t + 8, None, cpu=2.5, state="S"))
+    assert v.stalled and "no CPU" in v.evidence["prefill_batch"]["why_not"]
+
+
+def test_no_measured_prefill_rate_means_stall_after():
+    tr = tracker(stall_after=8.0)
+    ready_at(tr, 100.0, R(1, 0, hb=10), cpu=1.0)
+    v = tr.observe(obs(108.0, None, cpu=9.0))
+    assert v.stalled and v.evidence["prefill_batch"]["why_not"] == "no prefill rate measured yet"
+
+
+def test_unresponsive_shows_no_rate_and_does_not_repeat_the_last():
+    tr = tracker(stall_after=60.0)
+    ready_at(tr, 100.0, R(1, 0, hb=0))
+    v = ready_at(tr, 101.0, R(1, 0, hb=40))
+    assert v.tokens_per_second == 40.0 and v.state == "busy"
+    v = tr.observe(obs(102.0, None, health="timeout"))
+    assert v.state == "unresponsive" and v.tokens_per_second is None
+    # answering again: the rate is over the real 2 s since the last answer
+    v = ready_at(tr, 103.0, R(1, 0, hb=120))
+    assert v.state == "busy" and v.tokens_per_second == 40.0
+
+
+def test_decode_gap_is_the_longest_recent_gap_not_the_current_one():
+    tr = StallTracker(StallSettings(stall_after=60.0), separates_decode=True)
+    ready_at(tr, 100.0, R(2, 0, hb=10, decode=100, prefill=0))
+    for i in range(1, 8):  # decode starved 7 s while prefill chunks run
+        v = ready_at(tr, 100.0 + i, R(2, 0, hb=10 + i, decode=100, prefill=2048 * i))
+    assert v.decode_gap_seconds == 7.0
+    for i in range(8, 12):  # decoding again every poll
+        v = ready_at(tr, 100.0 + i, R(2, 0, hb=10 + i, decode=100 + i, prefill=2048 * 7))
+    assert not v.stalled and v.decode_gap_seconds == 7.0  # the longest, still in the window
+    v = ready_at(tr, 100.0 + 8 + 301, R(2, 0, hb=500, decode=900, prefill=2048 * 7))
+    assert v.decode_gap_seconds == 0.0  # out of the 300 s window
+
+
+def test_scrape_measured_prefill_rate_needs_a_real_batch():
+    """vLLM/SGLang export no prompt seconds: the rate comes from wall time between scrapes,
+    which a few 16-token prompts would make absurdly low (and a hang wait minutes)."""
+    tr = tracker(stall_after=8.0)
+    tr.observe(obs(100.0, R(2, 0, hb=10, prefill=0), cpu=1.0, batch=8192))
+    v = tr.observe(obs(101.0, R(2, 0, hb=20, prefill=32), cpu=2.0, batch=8192))
+    assert v.evidence["prefill_batch"]["prefill_rate_tokens_per_second"] is None
+    v = tr.observe(obs(109.0, None, cpu=10.0, batch=8192))
+    assert v.stalled  # at stall_after, no stretch
+    tr = tracker(stall_after=8.0)
+    tr.observe(obs(100.0, R(2, 0, hb=10, prefill=0), cpu=1.0, batch=8192))
+    v = tr.observe(obs(101.0, R(2, 0, hb=20, prefill=8192), cpu=2.0, batch=8192))
+    assert v.evidence["prefill_batch"]["prefill_rate_tokens_per_second"] == 8192.0
+    assert v.evidence["prefill_batch"]["rate_from"] == "scrapes"

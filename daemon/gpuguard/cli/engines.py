@@ -67,7 +67,8 @@ def run(args) -> int:
     if not engines:
         print("no engines configured (engines: in the config)")
         return 0
-    cols = ("ENGINE", "KIND", "STATE", "PID", "RUN", "WAIT", "TOK/S", "NO-PROGRESS", "DECODE-GAP", "LAST ACTION")
+    cols = ("ENGINE", "KIND", "STATE", "PID", "RUN", "WAIT", "TOK/S", "NO-PROGRESS", "DECODE-GAP", "LONGEST-PAUSE-TODAY",
+            "LAST ACTION")
     rows = []
     for e in engines:
         state = e.get("state", "?")
@@ -79,6 +80,7 @@ def run(args) -> int:
             _fmt(e.get("tokens_per_second"), ".1f"),
             f"{e.get('no_progress_seconds') or 0:.1f}s",
             _fmt(e.get("decode_gap_seconds"), ".1f"),
+            _fmt(e.get("longest_pause_today_seconds"), ".1f"),
             e.get("last_action") or "-",
         ))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]

@@ -1,7 +1,8 @@
-"""What the watchdog does to an engine: kill (SIGTERM to its process group, SIGKILL after the
-grace period, verify every process is gone) and restart (`systemctl restart UNIT`, a
-configured command, or kill and let the service manager's Restart= bring it back).
-Async: waiting out a grace period never blocks the event loop."""
+"""What the watchdog does to an engine: kill (SIGTERM to exactly the engine's processes —
+its process tree, and its cgroup's members when it has one — SIGKILL after the grace
+period, verify every process is gone) and restart (`systemctl restart UNIT`, or kill and
+run the configured command). Never a process group or a session: those may hold
+bystanders (issue 13). Async: waiting out a grace period never blocks the event loop."""
 from __future__ import annotations
 
 import asyncio
@@ -9,24 +10,25 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
-from gpuguard.engines.process import read_proc_stat
+from gpuguard.engines.process import cgroup_procs
 
 
 @dataclass(frozen=True)
 class KillResult:
     pids: tuple[int, ...]
-    pgid: int | None
-    signals: tuple[str, ...]  # in order: "SIGTERM pgid 123", "SIGKILL pid 124", ...
+    cgroup: str | None
+    signals: tuple[str, ...]  # in order: "SIGTERM pid 123", "SIGKILL cgroup.kill /sys/...", ...
     escalated: bool  # SIGKILL was needed (ignored SIGTERM, or stopped: SIGTERM never arrives)
     gone: bool
     survivors: tuple[int, ...]
     seconds: float
 
     def to_dict(self) -> dict:
-        return {"pids": list(self.pids), "pgid": self.pgid, "signals": list(self.signals),
+        return {"pids": list(self.pids), "cgroup": self.cgroup, "signals": list(self.signals),
                 "escalated": self.escalated, "gone": self.gone, "survivors": list(self.survivors),
                 "seconds": round(self.seconds, 3)}
 
@@ -52,42 +54,46 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _group_members(pgid: int) -> set[int]:
-    out = set()
-    for p in psutil.process_iter(["pid"]):
-        st = read_proc_stat(p.pid)
-        if st is not None and st.pgid == pgid and st.state != "Z":
-            out.add(p.pid)
+def _tree(pids: set[int]) -> set[int]:
+    """The given PIDs and all their descendants, as they are now."""
+    out = set(pids)
+    for pid in pids:
+        try:
+            out.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            continue
     return out
 
 
-async def kill_engine(pids: tuple[int, ...], grace: float, *, poll: float = 0.02,
+def _members(pids: set[int], cgroup: Path | None) -> set[int]:
+    found = _tree(pids)
+    if cgroup is not None:
+        try:
+            found.update(cgroup_procs(cgroup) or ())
+        except Exception:  # noqa: BLE001 - an unreadable cgroup leaves the tree
+            pass
+    found.discard(os.getpid())
+    return found
+
+
+async def kill_engine(pids: tuple[int, ...], grace: float, *, cgroup: Path | None = None, poll: float = 0.02,
                       after_sigkill: float = 5.0) -> KillResult:
-    """SIGTERM the engine's process group (or each PID when the group is ours or init's:
-    never signal gpuguard itself), wait up to `grace`, SIGKILL what is left, verify."""
+    """SIGTERM every process of the engine (tree + cgroup), wait up to `grace`, SIGKILL what
+    is left (through `cgroup.kill` when the cgroup has one: nothing can fork away), verify."""
     t0 = time.monotonic()
     signals: list[str] = []
-    main = pids[0]
-    st = read_proc_stat(main)
-    pgid = st.pgid if st is not None else None
-    own_pgid = os.getpgid(0)
-    use_group = pgid is not None and pgid > 1 and pgid != own_pgid
-    targets = set(pids)
-    if use_group:
-        targets |= await asyncio.to_thread(_group_members, pgid)
-    targets.discard(os.getpid())
+    # Taken before the first signal: once a parent dies its children are re-parented and
+    # the tree no longer finds them.
+    targets = await asyncio.to_thread(_members, set(pids), cgroup)
 
     def send(sig: signal.Signals) -> None:
-        if use_group:
+        if sig == signal.SIGKILL and cgroup is not None and (cgroup / "cgroup.kill").exists():
             try:
-                os.killpg(pgid, sig)
-                signals.append(f"{sig.name} pgid {pgid}")
-            except ProcessLookupError:
+                (cgroup / "cgroup.kill").write_text("1")
+                signals.append(f"SIGKILL cgroup.kill {cgroup}")
+            except OSError:
                 pass
         for pid in sorted(targets):
-            # Members outside the group (a child that called setsid) still get the signal.
-            if use_group and (s := read_proc_stat(pid)) is not None and s.pgid == pgid:
-                continue
             try:
                 os.kill(pid, sig)
                 signals.append(f"{sig.name} pid {pid}")
@@ -107,10 +113,15 @@ async def kill_engine(pids: tuple[int, ...], grace: float, *, poll: float = 0.02
     escalated = False
     if left:
         escalated = True
+        # children forked during the grace period are part of the engine too
+        targets |= await asyncio.to_thread(_members, left, cgroup)
         send(signal.SIGKILL)
         left = await wait_gone(after_sigkill)
-    return KillResult(tuple(sorted(targets)), pgid if use_group else None, tuple(signals), escalated,
-                      not left, tuple(sorted(left)), time.monotonic() - t0)
+    if cgroup is not None:
+        stragglers = set(cgroup_procs(cgroup) or ()) - {os.getpid()}
+        left |= {p for p in stragglers if _alive(p)}
+    return KillResult(tuple(sorted(targets)), str(cgroup) if cgroup is not None else None, tuple(signals),
+                      escalated, not left, tuple(sorted(left)), time.monotonic() - t0)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,11 @@ class EngineReading:
     tokens: float | None
     decode: float | None
     prefill: float | None
+    # Prompt seconds as the engine measured them (llama-server): rate = Δprefill / Δthis.
+    prefill_seconds: float | None = None
+    # Tokens generated so far, counted as they are made (not at completion): the rate's
+    # source. llama-server: busy slots per decode x decodes (one token per busy slot per step).
+    live_tokens: float | None = None
 
     @property
     def pending(self) -> bool | None:
@@ -39,6 +44,9 @@ class MetricMap:
     tokens: tuple[Selector, ...]
     decode: tuple[Selector, ...] = ()
     prefill: tuple[Selector, ...] = ()
+    prefill_seconds: tuple[Selector, ...] = ()
+    # gauge x counter = a live token counter (llama-server's average busy slots per decode)
+    slots_per_step: tuple[Selector, ...] = ()
     # Used only when no heartbeat series is present (older engine versions); each must
     # still move every step. Completion-time counters never appear here.
     heartbeat_fallback: tuple[Selector, ...] = ()
@@ -73,19 +81,23 @@ METRIC_MAPS: dict[str, MetricMap] = {
     ),
     # llama-server: n_decode_total is +1 per llama_decode(); tokens_predicted_total is only
     # credited when a slot is released (flat during a long generation). It is exported as
-    # "tokens as reported" and never used as the heartbeat.
+    # "tokens as reported" and never used as the heartbeat. Each busy slot gets one token per
+    # llama_decode (server-context.cpp metrics_post_decode: n_busy_slots += processing
+    # slots), so tokens made = n_busy_slots_per_decode x n_decode_total. Prompt tokens and
+    # seconds are credited after a synchronised decode: their ratio is the prefill rate.
     "llamacpp": MetricMap(
         running=_sel("llamacpp:requests_processing"),
         waiting=_sel("llamacpp:requests_deferred"),
         heartbeat=_sel("llamacpp:n_decode_total"),
         tokens=_sel("llamacpp:tokens_predicted_total"),
+        decode=_sel("llamacpp:n_decode_total"),
+        prefill=_sel("llamacpp:prompt_tokens_total"),
+        prefill_seconds=_sel("llamacpp:prompt_seconds_total"),
+        slots_per_step=_sel("llamacpp:n_busy_slots_per_decode"),
     ),
 }
 
 HEALTH_PATHS = {"vllm": "/health", "sglang": "/health", "llamacpp": "/health", "generic": "/health"}
-
-# Which counter gives tokens/s: real-time where the engine has one, else steps/s.
-RATE_SOURCE = {"vllm": "tokens", "sglang": "tokens", "llamacpp": "heartbeat", "generic": "tokens"}
 
 
 class Adapter:
@@ -102,26 +114,34 @@ class Adapter:
                 tokens=pick("tokens", base.tokens if base else ()),
                 decode=pick("decode", base.decode if base else ()),
                 prefill=pick("prefill", base.prefill if base else ()),
+                prefill_seconds=base.prefill_seconds if base else (),
+                slots_per_step=base.slots_per_step if base else (),
                 heartbeat_fallback=() if over.heartbeat else (base.heartbeat_fallback if base else ()),
             )
         assert base is not None  # generic without metrics is refused by the config
         self.map = base
         self.health_path = config.health_path or HEALTH_PATHS[config.kind]
-        self.separates_decode = bool(base.decode) and bool(base.prefill)
-        self.rate_source = RATE_SOURCE[config.kind]
+        self.separates_decode = bool(base.decode)
 
     def read(self, samples: Samples) -> EngineReading:
         m = self.map
         heartbeat = samples.total(m.heartbeat)
         if heartbeat is None and m.heartbeat_fallback:
             heartbeat = samples.total(m.heartbeat_fallback)
+        tokens = samples.total(m.tokens)
+        live = tokens
+        if m.slots_per_step:
+            per_step = samples.total(m.slots_per_step)
+            live = per_step * heartbeat if per_step is not None and heartbeat is not None else None
         return EngineReading(
             running=samples.total(m.running),
             waiting=samples.total(m.waiting),
             heartbeat=heartbeat,
-            tokens=samples.total(m.tokens),
+            tokens=tokens,
             decode=samples.total(m.decode) if m.decode else None,
             prefill=samples.total(m.prefill) if m.prefill else None,
+            prefill_seconds=samples.total(m.prefill_seconds) if m.prefill_seconds else None,
+            live_tokens=live,
         )
 
     def health(self, status: int, body: str) -> Health:

@@ -37,6 +37,9 @@ class EngineActions:
 
     async def restart_engine(self, name: str, who: str) -> dict[str, Any]:
         e = self._engine(name)
+        if not (e.cfg.process.systemd_unit or e.cfg.restart_command):
+            raise ActionRefused(f"engine {name}: no process.systemd_unit or restart_command to restart it with; "
+                                "use kill, or configure one")
         async with e.lock:
             procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
             return await self.wd._restart(e, procs, "api", {}, self.wd._clock(), who=who)
@@ -65,6 +68,10 @@ class EngineActions:
     def engines(self) -> list[dict[str, Any]]:
         snaps = self.wd.snapshots()
         return [snaps[n].to_dict() if n in snaps else {"name": n, "state": "unknown"} for n in sorted(self.wd._engines)]
+
+    def incidents(self) -> list[dict[str, Any]]:
+        """Incident bundles under state_dir/incidents (issue 22), oldest first."""
+        return self.wd.incidents.list() if self.wd.incidents is not None else []
 
     def caches(self) -> list[str]:
         return sorted(c.name for e in self.wd._engines.values() for c in e.cfg.caches)

@@ -31,6 +31,9 @@ class ProcessMatch(_Strict):
     """How to find the engine's main process; resolved to a PID every cycle, never cached."""
 
     systemd_unit: str | None = None
+    cgroup: Path | None = Field(
+        None, description="a cgroup folder (e.g. /sys/fs/cgroup/engines.slice/x.scope): its cgroup.procs "
+        "are the engine; the kill goes through it")
     pid_file: Path | None = None
     cmdline: str | None = Field(None, description="regex searched in the space-joined command line")
     gpu_process: str | None = Field(
@@ -39,9 +42,9 @@ class ProcessMatch(_Strict):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "ProcessMatch":
-        given = [k for k in ("systemd_unit", "pid_file", "cmdline") if getattr(self, k)]
+        given = [k for k in ("systemd_unit", "cgroup", "pid_file", "cmdline") if getattr(self, k)]
         if len(given) != 1:
-            raise ValueError("process: give exactly one of systemd_unit, pid_file, cmdline "
+            raise ValueError("process: give exactly one of systemd_unit, cgroup, pid_file, cmdline "
                              f"(got {', '.join(given) or 'none'})")
         for key in ("cmdline", "gpu_process"):
             pattern = getattr(self, key)
@@ -95,10 +98,25 @@ class EngineConfig(_Strict):
     stall_after: float = Field(60.0, gt=0)
     stall_step_multiple: float | None = Field(None, gt=0)
     stall_floor: float = Field(5.0, gt=0)
+    # INCIDENTS §9 / issue 13: one engine step may carry a whole prompt batch (llama-server
+    # runs up to n_batch prompt tokens in one llama_decode, nothing moves meanwhile). The
+    # stall bound stretches to the time that batch takes at the measured prefill rate.
+    prefill_batch_tokens: int | None = Field(
+        None, gt=0, description="largest prompt batch of one step; default from the engine's command "
+        "line (-b/--batch-size, --max-num-batched-tokens, --chunked-prefill-size), else 2048 (llama-server) "
+        "or 8192")
+    prefill_margin: float = Field(2.0, ge=1.0, description="slack on the batch's expected time")
+    prefill_ceiling: float = Field(300.0, gt=0, description="the stretched bound never exceeds this")
     cpu_busy_ratio: float = Field(0.9, gt=0, description="fraction of one core that counts as pinned")
     unhealthy_after: float = Field(30.0, gt=0)
     ready_timeout: float = Field(900.0, gt=0)
 
+    # Issue 22, graded response: alert at stall_after (the stall is declared, evidence
+    # collection starts), take the incident bundle at dump_after, act at kill_after (all
+    # seconds without progress; unset = at stall_after, today's behaviour). A freeze that
+    # clears before kill_after is recorded as a pause, not killed.
+    dump_after: float | None = Field(None, gt=0)
+    kill_after: float | None = Field(None, gt=0)
     action: Action = "alert"
     act_on_unhealthy: bool = True
     grace: float = Field(10.0, ge=0)
@@ -120,12 +138,26 @@ class EngineConfig(_Strict):
         if self.kind == "generic" and not (self.metrics and self.metrics.heartbeat):
             raise ValueError("kind generic needs metrics.heartbeat (a counter that moves every step)")
         if self.action == "restart" and not (self.process.systemd_unit or self.restart_command):
-            # Without a unit or a command, "restart" is kill + the service manager's Restart=.
-            pass
+            # A kill announced as a restart leaves the engine down (issue 13): refuse it.
+            raise ValueError("action restart needs a way to restart: process.systemd_unit or restart_command "
+                             "(e.g. [\"systemctl\", \"start\", \"my-engine\"]); or use action kill")
+        if self.kill_after is not None and self.kill_after < self.stall_after:
+            raise ValueError(f"kill_after ({self.kill_after:g}) must be >= stall_after ({self.stall_after:g}), "
+                             "the point the stall is declared")
+        if self.dump_after is not None and not self.stall_after <= self.dump_after <= self.effective_kill_after:
+            raise ValueError(f"dump_after ({self.dump_after:g}) must lie between stall_after and kill_after")
         names = [c.name for c in self.caches]
         if len(set(names)) != len(names):
             raise ValueError("caches: names must be unique")
         return self
+
+    @property
+    def effective_kill_after(self) -> float:
+        return self.kill_after if self.kill_after is not None else self.stall_after
+
+    @property
+    def effective_dump_after(self) -> float:
+        return self.dump_after if self.dump_after is not None else self.effective_kill_after
 
     @property
     def effective_health_timeout(self) -> float:

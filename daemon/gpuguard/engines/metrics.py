@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from gpuguard.engines.watchdog import EngineWatchdog
+from gpuguard.engines.watchdog import PAUSE_BUCKETS, EngineWatchdog
 
 
 def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
@@ -17,13 +17,15 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
     waiting = GaugeMetricFamily("gpuguard_engine_requests_waiting", "Requests queued in the engine", labels=["engine"])
     tokens = CounterMetricFamily("gpuguard_engine_generated_tokens", "Generated tokens as reported by the engine",
                                  labels=["engine"])
-    tps = GaugeMetricFamily("gpuguard_engine_tokens_per_second", "Recent generation rate (llama-server: decode steps/s)",
-                            labels=["engine"])
+    tps = GaugeMetricFamily("gpuguard_engine_tokens_per_second",
+                            "Tokens generated per second between the last two answered scrapes (llama-server: busy "
+                            "slots x decode steps); absent when the engine did not answer this poll", labels=["engine"])
     gap = GaugeMetricFamily("gpuguard_engine_no_progress_seconds",
-                            "Time since the per-step counter last advanced while requests were pending", labels=["engine"])
+                            "Time since any progress counter (steps, live tokens, prompt tokens) last advanced while "
+                            "requests were pending", labels=["engine"])
     dgap = GaugeMetricFamily("gpuguard_engine_decode_gap_seconds",
-                             "Longest no-token gap of running decodes (INCIDENTS §9: prefill starving decode)",
-                             labels=["engine"])
+                             "Longest time the decode counter was seen flat while requests ran, over the last 300 s "
+                             "(INCIDENTS §9: prefill starving decode)", labels=["engine"])
     stalled = GaugeMetricFamily("gpuguard_engine_stalled", "1 = the watchdog declared a stall", labels=["engine"])
     ready = GaugeMetricFamily("gpuguard_engine_time_to_ready_seconds",
                               "Start of the engine's current process to its first ready health answer", labels=["engine"])
@@ -50,4 +52,16 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
     for name, scan in sorted(wd.cache_scans().items()):
         if scan.zero_byte_files is not None:
             caches.add_metric([name], scan.zero_byte_files)
-    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, stalls, caches)
+    held = GaugeMetricFamily("gpuguard_gpu_process_vram_bytes",
+                             "VRAM a process holds on a GPU (DRM fdinfo drm-memory-vram, or NVML); engine = the watched "
+                             "engine it belongs to, empty if none", labels=["gpu", "pid", "comm", "engine"])
+    for g, gpu, engine in wd.gpu_processes():
+        if g.vram_bytes is not None:
+            held.add_metric([gpu, str(g.pid), g.comm, engine], float(g.vram_bytes))
+    pauses = HistogramMetricFamily("gpuguard_engine_pause_seconds",
+                                   "No-progress periods with work pending that ended by themselves (issue 22): how "
+                                   "long freezes last, to choose kill_after", labels=["engine"])
+    for name, (buckets, total, count) in sorted(wd.pause_histograms().items()):
+        pauses.add_metric([name], [(f"{b:g}", float(n)) for b, n in zip(PAUSE_BUCKETS, buckets)] + [("+Inf", float(count))],
+                          total)
+    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, stalls, caches, held, pauses)

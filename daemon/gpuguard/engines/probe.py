@@ -22,6 +22,7 @@ class ProbeResult:
     reading: EngineReading | None
     metrics_error: str | None  # None, "timeout", "refused", "http 503", "garbage: ..."
     metrics_seconds: float
+    metrics_text: str | None = None  # the raw scrape, kept briefly for incident bundles
 
 
 class EngineProbe:
@@ -76,19 +77,19 @@ class EngineProbe:
             return outcome, body, secs  # type: ignore[return-value]
         return self.adapter.health(status or 0, body), f"HTTP {status}", secs
 
-    async def metrics(self) -> tuple[EngineReading | None, str | None, float]:
+    async def metrics(self) -> tuple[EngineReading | None, str | None, float, str | None]:
         cfg = self.adapter.config
         outcome, status, body, secs = await self._get(cfg.metrics_path, cfg.http_timeout)
         if outcome != "ok":
-            return None, outcome, secs
+            return None, outcome, secs, None
         if status != 200:
-            return None, f"http {status}", secs
+            return None, f"http {status}", secs, body[:4096]
         try:
             samples = Samples.parse(body, f"{cfg.url}{cfg.metrics_path}")
         except ExpositionError as exc:
-            return None, f"garbage: {exc}", secs
-        return self.adapter.read(samples), None, secs
+            return None, f"garbage: {exc}", secs, body[:4096]
+        return self.adapter.read(samples), None, secs, body
 
     async def poll(self) -> ProbeResult:
-        (h, detail, hs), (reading, err, ms) = await asyncio.gather(self.health(), self.metrics())
-        return ProbeResult(h, detail, hs, reading, err, ms)
+        (h, detail, hs), (reading, err, ms, text) = await asyncio.gather(self.health(), self.metrics())
+        return ProbeResult(h, detail, hs, reading, err, ms, text)

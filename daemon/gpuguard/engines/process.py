@@ -1,6 +1,8 @@
 """Finding an engine's processes, every cycle (a PID is never cached across cycles: after a
 restart the old one is gone or reused), and reading their CPU time and state from /proc.
-Blocking; the watchdog calls `resolve` in a worker thread."""
+The engine is its main process and that process's descendants, or every process of its
+cgroup (a systemd unit's, or a configured one): never a process group or session, which
+may hold bystanders (issue 13). Blocking; the watchdog calls `resolve` in a worker thread."""
 from __future__ import annotations
 
 import os
@@ -35,9 +37,11 @@ class EngineProcesses:
     main_start: float
     gpu_pid: int
     gpu_stat: ProcStat
-    pids: tuple[int, ...]  # main + descendants, as seen now
+    pids: tuple[int, ...]  # main + descendants (+ the cgroup's members), as seen now
     pgid: int
     note: str = ""
+    cgroup: Path | None = None  # the cgroup folder the kill goes through, when known
+    batch_tokens: int | None = None  # largest prompt batch of one step (command line or config)
 
 
 def _boot_time(proc: Path) -> float:
@@ -109,13 +113,23 @@ def _cmdline_text(p: psutil.Process) -> str:
         return ""
 
 
+SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash", "busybox"}
+
+
+def _is_shell_script(argv: list[str]) -> bool:
+    """`sh -c "... engine ... &"`: the launcher's command line names the engine, but the
+    shell is not the engine; killing it would take its other jobs (issue 13)."""
+    return bool(argv) and os.path.basename(argv[0]) in SHELLS and "-c" in argv[1:3]
+
+
 def _by_cmdline(pattern: str) -> int | None:
     rx = re.compile(pattern)
     me = os.getpid()
     matches: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info.get("cmdline") or [])
-        if p.pid != me and cmd and rx.search(cmd):
+        argv = p.info.get("cmdline") or []
+        cmd = " ".join(argv)
+        if p.pid != me and cmd and rx.search(cmd) and not _is_shell_script(argv):
             matches[p.pid] = p
     if not matches:
         return None
@@ -131,13 +145,83 @@ def _by_cmdline(pattern: str) -> int | None:
     return pick.pid
 
 
+def cgroup_procs(folder: Path) -> list[int] | None:
+    """PIDs in a cgroup folder (v1 or v2 `cgroup.procs`); None when the folder is gone."""
+    try:
+        text = (Path(folder) / "cgroup.procs").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ProcessLookupFailed(f"cgroup {folder}: cannot read cgroup.procs: {exc.strerror}") from None
+    return [int(x) for x in text.split() if x.isdigit()]
+
+
+def _systemd_cgroup(unit: str, timeout: float = 2.0) -> Path | None:
+    """The unit's cgroup folder under /sys/fs/cgroup (unified, or the hybrid layout's v2 or
+    name=systemd tree), or None when systemd does not say."""
+    try:
+        out = subprocess.run(["systemctl", "show", "-p", "ControlGroup", "--value", unit],
+                             capture_output=True, text=True, timeout=timeout, check=False)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    rel = out.stdout.strip().lstrip("/")
+    if out.returncode != 0 or not rel:
+        return None
+    for base in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd"):
+        folder = Path(base) / rel
+        if (folder / "cgroup.procs").exists():
+            return folder
+    return None
+
+
+def _cgroup_main(folder: Path) -> int | None:
+    members = cgroup_procs(folder)
+    if not members:
+        return None
+    procs = []
+    for pid in members:
+        try:
+            p = psutil.Process(pid)
+            procs.append((p.ppid() in members, p.create_time(), pid))
+        except psutil.Error:
+            continue
+    # The root of the tree inside the cgroup (its parent is outside), the oldest first.
+    return min(procs)[2] if procs else None
+
+
 def find_main_pid(cfg: EngineConfig) -> int | None:
     m = cfg.process
     if m.systemd_unit:
         return _systemd_main_pid(m.systemd_unit)
+    if m.cgroup:
+        return _cgroup_main(m.cgroup)
     if m.pid_file:
         return _pid_file(m.pid_file)
     return _by_cmdline(m.cmdline or "")
+
+
+# The option that bounds one step's prompt batch, per kind, and its default (llama.cpp
+# common.h n_batch = 2048; one llama_decode per n_batch chunk, server-context.cpp).
+BATCH_FLAGS = {"llamacpp": (("-b", "--batch-size"), 2048),
+               "vllm": (("--max-num-batched-tokens",), 8192),
+               "sglang": (("--chunked-prefill-size",), 8192),
+               "generic": ((), None)}
+
+
+def batch_tokens(kind: str, argv: list[str], configured: int | None = None) -> int | None:
+    if configured:
+        return configured
+    flags, default = BATCH_FLAGS.get(kind, ((), None))
+    for i, arg in enumerate(argv):
+        for flag in flags:
+            value = None
+            if arg == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg[len(flag) + 1:]
+            if value is not None and value.strip().isdigit() and int(value) > 0:
+                return int(value)
+    return default
 
 
 def resolve(cfg: EngineConfig, proc: Path = Path("/proc")) -> EngineProcesses | None:
@@ -149,10 +233,17 @@ def resolve(cfg: EngineConfig, proc: Path = Path("/proc")) -> EngineProcesses | 
     if main is None or main.state == "Z":
         return None
     try:
-        kids = psutil.Process(pid).children(recursive=True)
+        main_proc = psutil.Process(pid)
+        kids = main_proc.children(recursive=True)
+        argv = main_proc.cmdline()
     except psutil.Error:
-        kids = []
+        kids, argv = [], []
     pids = (pid,) + tuple(k.pid for k in kids)
+    m = cfg.process
+    folder = m.cgroup if m.cgroup else (_systemd_cgroup(m.systemd_unit) if m.systemd_unit else None)
+    if folder is not None:
+        members = cgroup_procs(folder) or []
+        pids = pids + tuple(p for p in members if p not in pids)
     gpu_pid, note = pid, ""
     pattern = cfg.gpu_process_pattern
     if pattern and kids:
@@ -168,4 +259,6 @@ def resolve(cfg: EngineConfig, proc: Path = Path("/proc")) -> EngineProcesses | 
         else:
             note = f"no child matches gpu_process {pattern!r}; using the main process"
     gpu_stat = read_proc_stat(gpu_pid, proc) or main
-    return EngineProcesses(pid, main.start_time, gpu_stat.pid, gpu_stat, pids, main.pgid, note)
+    return EngineProcesses(pid, main.start_time, gpu_stat.pid, gpu_stat, pids, main.pgid, note,
+                           Path(folder) if folder is not None else None,
+                           batch_tokens(cfg.kind, argv, cfg.prefill_batch_tokens))

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 class EngineSnapshot:
     name: str
     kind: str
-    state: str  # starting ready idle busy stalled unhealthy down
+    state: str  # starting ready idle busy unresponsive stalled unhealthy down
     pid: int | None
     requests_running: float | None
     requests_waiting: float | None
@@ -34,6 +34,9 @@ class EngineSnapshot:
     polled_at: float = 0.0
     polls: int = 0
     error: str | None = None
+    pauses: int = 0  # no-progress periods that ended by themselves (issue 22)
+    longest_pause_today_seconds: float | None = None
+    last_incident: str | None = None  # the newest incident bundle's folder name
     evidence: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

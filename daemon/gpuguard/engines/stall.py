@@ -13,7 +13,19 @@ Rules (ENGINES.md "How to detect a stall from outside", INCIDENTS §1, §8, §9)
 - health_failing: health not ready for `unhealthy_after` with no heartbeat movement
   meanwhile (state `unhealthy`).
 - While starting (a new PID whose health is not ready yet) all of that is off; time to
-  ready is measured from the new PID's start time (§8)."""
+  ready is measured from the new PID's start time (§8).
+
+Progress is any of: the step counter, live generated tokens, prompt tokens (issue 13, §9: a
+long prefill starving decode is work, never a stall). One step may carry a whole prompt
+batch during which nothing moves and llama-server answers no /metrics at all: while the
+GPU process can be working (not stopped, its CPU time moving) and a prefill rate has been
+measured, every bound above stretches to margin x batch tokens / prefill rate (capped by
+the ceiling). A stopped process, or one using no CPU, gets no stretch. Nothing seen from
+outside separates such a batch from a spinning hang before that bound; the evidence says so.
+
+`unresponsive`: neither /health nor /metrics answered this poll; the rate is then absent,
+never the last good value. `decode_gap_seconds`: the longest time the decode counter was
+seen flat while requests ran, over the last DECODE_GAP_WINDOW seconds."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,8 +34,13 @@ from typing import Any, Mapping
 
 from gpuguard.engines.adapters import EngineReading
 
-STATES = ("starting", "ready", "idle", "busy", "stalled", "unhealthy", "down")
+STATES = ("starting", "ready", "idle", "busy", "unresponsive", "stalled", "unhealthy", "down")
 EWMA_ALPHA = 0.3
+DECODE_GAP_WINDOW = 300.0
+NOT_ANSWERING = ("timeout", "refused", "error")
+STOPPED_STATES = ("T", "t", "Z", "X")
+BATCH_NOTE = ("a prompt batch runs inside one engine step and nothing from outside separates it from a hang "
+              "until the batch bound has passed")
 
 
 @dataclass(frozen=True)
@@ -37,11 +54,14 @@ class StallSettings:
     # Polls land a few ms either side of their tick; without this a window that is a
     # multiple of the poll interval would wait one extra poll about half the time.
     jitter: float = 0.0
+    prefill_margin: float = 2.0
+    prefill_ceiling: float = 300.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> "StallSettings":
         return cls(cfg.stall_after, cfg.stall_step_multiple, cfg.stall_floor, cfg.cpu_busy_ratio,
-                   cfg.unhealthy_after, cfg.ready_timeout, jitter=0.1 * cfg.poll_interval)
+                   cfg.unhealthy_after, cfg.ready_timeout, jitter=0.1 * cfg.poll_interval,
+                   prefill_margin=cfg.prefill_margin, prefill_ceiling=cfg.prefill_ceiling)
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,8 @@ class Observation:
     reading: EngineReading | None = None
     metrics_error: str | None = None
     cpu_seconds: float | None = None  # GPU-owning process, utime+stime
+    process_state: str | None = None  # GPU-owning process, /proc/PID/stat state letter
+    batch_tokens: int | None = None  # largest prompt batch one step may carry
 
 
 @dataclass(frozen=True)
@@ -74,11 +96,9 @@ class Verdict:
 
 
 class StallTracker:
-    def __init__(self, settings: StallSettings, *, separates_decode: bool = False,
-                 rate_source: str = "tokens") -> None:
+    def __init__(self, settings: StallSettings, *, separates_decode: bool = False) -> None:
         self.s = settings
-        self.separates_decode = separates_decode
-        self.rate_source = rate_source
+        self.separates_decode = separates_decode  # the engine has a decode-progress counter
         self._seen_any = False
         self._pid: int | None = None
         self._reset_process(None, None)
@@ -107,6 +127,12 @@ class StallTracker:
         self._metrics_bad_since: float | None = None
         self._rate: float | None = None
         self._running_since: float | None = None
+        self._progress_at: float | None = None
+        self._prefill_rate: float | None = None
+        self._prefill_rate_from = ""
+        self._gaps: list[tuple[float, float]] = []  # (closed at, seconds seen flat)
+        self._gap_now = 0.0
+        self._cpu_moved: bool | None = None
 
     def mark_starting(self) -> None:
         """After gpuguard restarted the engine: until a NEW PID says ready, it is starting.
@@ -162,26 +188,30 @@ class StallTracker:
                 self._metrics_bad_since = t
         else:
             self._metrics_bad_since = None
-            self._take_reading(r, t)
+            self._take_reading(r, t, o.batch_tokens)
         last = self._last
         pending = bool(last.pending) if last is not None else False
         if not pending:
             self._idle_at = t
-        anchor = max(x for x in (self._hb_changed, self._idle_at, self._running_since) if x is not None)
+        anchor = max(x for x in (self._progress_at, self._idle_at, self._running_since) if x is not None)
         no_progress = t - anchor if pending else 0.0
-        # decode gap (§9): decode-mode tokens flat while requests run
+        # decode gap (§9): the decode counter flat while requests run; the longest recently
         decode_gap = None
         if self.separates_decode and last is not None and last.decode is not None:
             if not last.running:
                 self._no_decode_work_at = t
             if last.running:
                 a = max(x for x in (self._dec_changed, self._no_decode_work_at, self._running_since) if x is not None)
-                decode_gap = t - a
+                self._gap_now = t - a
             else:
-                decode_gap = 0.0
+                self._gap_now = 0.0
+            self._gaps = [(at, g) for at, g in self._gaps if at >= t - DECODE_GAP_WINDOW]
+            decode_gap = max([self._gap_now] + [g for _, g in self._gaps])
         # CPU of the GPU-owning process
+        self._cpu_moved = None
         if o.cpu_seconds is not None:
             if self._cpu_prev is not None and t > self._cpu_prev[0]:
+                self._cpu_moved = o.cpu_seconds > self._cpu_prev[1]
                 self._cpu_pct = max(0.0, (o.cpu_seconds - self._cpu_prev[1]) / (t - self._cpu_prev[0]) * 100.0)
                 if self._cpu_pct >= self.s.cpu_busy_ratio * 100.0:
                     if self._cpu_pinned_since is None:
@@ -190,9 +220,11 @@ class StallTracker:
                     self._cpu_pinned_since = None
             self._cpu_prev = (t, o.cpu_seconds)
         window = self.window()
-        hb_flat_for = t - max(x for x in (self._hb_changed, self._running_since) if x is not None)
+        hb_flat_for = t - max(x for x in (self._progress_at, self._running_since) if x is not None)
+        batch = self._batch_bound(o)
+        bound = max(window, batch["bound_seconds"]) if batch["applies"] else window
 
-        due = window - self.s.jitter
+        due = bound - self.s.jitter
         reason = None
         if pending and last is not None and last.heartbeat is not None and no_progress >= due:
             reason = "heartbeat_flat"
@@ -202,22 +234,30 @@ class StallTracker:
               and hb_flat_for >= due):
             reason = "cpu_spin"
         elif (self._health_bad_since is not None and t - self._health_bad_since >= self.s.unhealthy_after
-              and (self._hb_changed is None or self._hb_changed <= self._health_bad_since)):
+              and (self._progress_at is None or self._progress_at <= self._health_bad_since)):
             # Progress proves the engine alive: SGLang's /health is a 1-token generation that
             # can queue behind a large batch; only failing health with no step counts.
             reason = "health_failing"
 
+        unanswered = o.health in NOT_ANSWERING and r is None
         if reason == "health_failing":
             state = "unhealthy"
         elif reason:
             state = "stalled"
+        elif unanswered:
+            state = "unresponsive"
         elif last is None:
             state = "ready"
         else:
             state = "busy" if pending else "idle"
         return self._verdict(o, state, reason, new_pid=new_pid, became_ready=became_ready,
-                             no_progress=no_progress, decode_gap=decode_gap, window=window,
+                             no_progress=no_progress, decode_gap=decode_gap, window=bound,
+                             fresh=r is not None,
                              extra={"heartbeat_flat_seconds": round(hb_flat_for, 3),
+                                    "progress_flat_seconds": round(hb_flat_for, 3),
+                                    "step_window_seconds": window,
+                                    "prefill_batch": batch,
+                                    "process_state": o.process_state,
                                     "cpu_pinned_seconds": (round(t - self._cpu_pinned_since, 3)
                                                            if self._cpu_pinned_since is not None else None),
                                     "metrics_unanswered_seconds": (round(t - self._metrics_bad_since, 3)
@@ -225,8 +265,15 @@ class StallTracker:
                                     "health_failing_seconds": (round(t - self._health_bad_since, 3)
                                                                if self._health_bad_since is not None else None)})
 
-    def _take_reading(self, r: EngineReading, t: float) -> None:
+    def _take_reading(self, r: EngineReading, t: float, batch_tokens: int | None = None) -> None:
         prev, prev_t = self._last, self._last_t
+        if prev is not None and any(
+                getattr(r, k) is not None and getattr(prev, k) is not None and getattr(r, k) != getattr(prev, k)
+                for k in ("heartbeat", "live_tokens", "prefill")):
+            self._progress_at = t
+        if (prev is not None and prev_t is not None and r.prefill is not None and prev.prefill is not None
+                and r.prefill > prev.prefill):
+            self._learn_prefill_rate(prev, r, t - prev_t, batch_tokens)
         if r.heartbeat is not None:
             if self._hb is None or r.heartbeat != self._hb:
                 if (self._hb is not None and prev_t is not None and r.heartbeat > self._hb
@@ -239,15 +286,54 @@ class StallTracker:
         if r.decode is not None:
             if self._dec is not None and r.decode != self._dec:
                 self._dec_changed = t
+                if self._gap_now > 0:
+                    self._gaps.append((t, self._gap_now))
             self._dec = r.decode
-        src = "heartbeat" if self.rate_source == "heartbeat" else "tokens"
-        cur = getattr(r, src)
-        before = getattr(prev, src) if prev is not None else None
+        # Tokens over the real time between two answered scrapes (a missed poll widens the
+        # interval, it never repeats a rate).
+        cur = r.live_tokens
+        before = prev.live_tokens if prev is not None else None
         if cur is not None and before is not None and prev_t is not None and t > prev_t and cur >= before:
             self._rate = (cur - before) / (t - prev_t)
         else:
-            self._rate = None if cur is None else self._rate
+            self._rate = None
         self._last, self._last_t = r, t
+
+    def _learn_prefill_rate(self, prev: EngineReading, r: EngineReading, dt: float,
+                            batch_tokens: int | None) -> None:
+        tokens = r.prefill - prev.prefill  # type: ignore[operator]
+        if r.prefill_seconds is not None and prev.prefill_seconds is not None and r.prefill_seconds > prev.prefill_seconds:
+            # The engine's own cumulative ratio: token-weighted, so a few tiny prompts (whose
+            # per-token time is all overhead) cannot talk the bound down.
+            self._prefill_rate = r.prefill / r.prefill_seconds  # type: ignore[operator]
+            self._prefill_rate_from = "engine"
+        elif self._prefill_rate_from != "engine" and dt > 0 and batch_tokens and tokens >= batch_tokens / 4:
+            # Wall time between scrapes under-estimates the rate (the interval was not all
+            # prefill): only an interval with at least a quarter batch of prompt tokens tells
+            # anything (a few short prompts would make a hang wait minutes), and the best
+            # seen is the closest to the engine's real speed.
+            rate = tokens / dt
+            self._prefill_rate = max(self._prefill_rate or 0.0, rate)
+            self._prefill_rate_from = "scrapes"
+
+    def _batch_bound(self, o: Observation) -> dict[str, Any]:
+        """The time one prompt batch may take, and whether it applies now."""
+        rate, size = self._prefill_rate, o.batch_tokens
+        out: dict[str, Any] = {"tokens": size, "prefill_rate_tokens_per_second":
+                               None if rate is None else round(rate, 1), "rate_from": self._prefill_rate_from or None,
+                               "bound_seconds": 0.0, "applies": False}
+        if not rate or not size:
+            out["why_not"] = "no prefill rate measured yet" if not rate else "batch size unknown"
+            return out
+        out["bound_seconds"] = round(min(self.s.prefill_ceiling, self.s.prefill_margin * size / rate), 3)
+        if o.process_state in STOPPED_STATES:
+            out["why_not"] = f"process state {o.process_state}: it cannot be working"
+        elif self._cpu_moved is False:
+            out["why_not"] = "the GPU process used no CPU since the last poll"
+        else:
+            out["applies"] = True
+            out["note"] = BATCH_NOTE
+        return out
 
     def window(self) -> float:
         s = self.s
@@ -257,7 +343,7 @@ class StallTracker:
 
     def _verdict(self, o: Observation, state: str, reason: str | None, *, new_pid: bool,
                  became_ready: bool = False, no_progress: float = 0.0, decode_gap: float | None = None,
-                 window: float | None = None, extra: dict | None = None) -> Verdict:
+                 window: float | None = None, extra: dict | None = None, fresh: bool = False) -> Verdict:
         last = self._last
         ev: dict[str, Any] = {
             "health": o.health,
@@ -277,7 +363,7 @@ class StallTracker:
         return Verdict(
             state=state, stalled=state == "stalled", reason=reason,
             no_progress_seconds=no_progress, decode_gap_seconds=decode_gap,
-            tokens_per_second=self._rate if state not in ("down", "starting") else None,
+            tokens_per_second=self._rate if fresh and state not in ("down", "starting", "unresponsive") else None,
             cpu_percent=self._cpu_pct, step_seconds=self._step,
             stall_window=window if window is not None else self.window(),
             time_to_ready=self._time_to_ready, new_pid=new_pid, became_ready=became_ready,

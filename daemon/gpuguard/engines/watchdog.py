@@ -8,14 +8,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
 from gpuguard.engines.adapters import Adapter
+from gpuguard.engines.attribution import GpuAttribution, GpuProcess
 from gpuguard.engines.caches import CacheError, CacheScan, quarantine, scan_zero_byte
 from gpuguard.engines.config import EngineConfig
+from gpuguard.engines.incidents import IncidentStore
 from gpuguard.engines.probe import EngineProbe, ProbeResult
 from gpuguard.engines.process import EngineProcesses, ProcessLookupFailed, resolve
 from gpuguard.engines.restarts import RestartLedger
@@ -42,14 +44,47 @@ class _Engine:
     polls: int = 0
     last_cache_scan: float | None = None
     procs: EngineProcesses | None = None
+    # a restart gpuguard made and has not yet seen come back: (when, reason, old main PID)
+    restart_pending: tuple[float, str, int | None] | None = None
+    gpu_holders: tuple[GpuProcess, ...] = ()  # its processes' holds on GPUs, last scan
+    held_by: dict[int, GpuProcess] = field(default_factory=dict)  # pid -> hold, seen while it ran
+    vram_alerted: bool = False
+    # issue 22: the graded response and its evidence
+    episode_at: float | None = None  # when the current stall/unhealthy episode was declared
+    dumped: bool = False
+    acted: bool = False
+    last_incident: str | None = None
+    samples: deque = field(default_factory=lambda: deque(maxlen=600))  # recent readings
+    raw: deque = field(default_factory=lambda: deque(maxlen=5))  # recent raw /metrics texts
+    pause: dict | None = None  # the no-progress period in progress
+    pauses: deque = field(default_factory=lambda: deque(maxlen=1000))  # pauses that ended by themselves
+    pause_buckets: list = field(default_factory=lambda: [0] * len(PAUSE_BUCKETS))
+    pause_sum: float = 0.0
+    pause_count: int = 0
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """Configured GPUs, else the ones its processes hold (issue 13)."""
+        if self.cfg.gpus:
+            return tuple(self.cfg.gpus)
+        return tuple(sorted({g.bdf for g in self.gpu_holders}))
 
 
 CLOSE_TIMEOUT = 5.0  # seconds for the engine loops and HTTP clients to stop
+ATTRIBUTION_INTERVAL = 2.0  # seconds between scans of which processes hold which GPU
+SAMPLE_WINDOW = 300.0  # seconds of engine readings an incident bundle carries
+PAUSE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 
 
 class EngineWatchdog:
     def __init__(self, configs: Sequence[EngineConfig], audit: Callable[[dict], None],
-                 publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time) -> None:
+                 publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time,
+                 attribution: GpuAttribution | None = None, incidents: IncidentStore | None = None,
+                 gpu_telemetry: Callable[[Sequence[str]], dict[str, dict]] | None = None) -> None:
+        self.attribution = attribution
+        self.incidents = incidents
+        self.gpu_telemetry = gpu_telemetry  # GPU name -> {"busy_ratio", "power_watts"}, now
+        self._gpu_procs: list[GpuProcess] = []
         self._audit_sink = audit
         self._publish_sink = publish
         self._clock = clock
@@ -61,20 +96,79 @@ class EngineWatchdog:
         self._stalls: Counter[tuple[str, str]] = Counter()
         self._cache_scans: dict[str, CacheScan] = {}
         self._cache_owner: dict[str, str] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._running = False
+        self._check(configs)
         for cfg in configs:
-            if cfg.name in self._engines:
-                raise ValueError(f"engines: duplicate name {cfg.name!r}")
+            self._engines[cfg.name] = self._new_engine(cfg)
             for cache in cfg.caches:
-                if cache.name in self._cache_owner:
-                    raise ValueError(f"engines.{cfg.name}.caches: name {cache.name!r} already used by "
-                                     f"engine {self._cache_owner[cache.name]!r}; cache names are metric labels")
                 self._cache_owner[cache.name] = cfg.name
-            adapter = Adapter(cfg)
-            self._engines[cfg.name] = _Engine(
-                cfg=cfg, adapter=adapter, probe=EngineProbe(adapter),
-                tracker=StallTracker(StallSettings.from_config(cfg), separates_decode=adapter.separates_decode,
-                                     rate_source=adapter.rate_source),
-                ledger=RestartLedger(cfg.restart_loop.count, cfg.restart_loop.window))
+
+    @staticmethod
+    def _check(configs: Sequence[EngineConfig]) -> None:
+        names: set[str] = set()
+        owner: dict[str, str] = {}
+        for cfg in configs:
+            if cfg.name in names:
+                raise ValueError(f"engines: duplicate name {cfg.name!r}")
+            names.add(cfg.name)
+            for cache in cfg.caches:
+                if cache.name in owner:
+                    raise ValueError(f"engines.{cfg.name}.caches: name {cache.name!r} already used by "
+                                     f"engine {owner[cache.name]!r}; cache names are metric labels")
+                owner[cache.name] = cfg.name
+
+    @staticmethod
+    def _new_engine(cfg: EngineConfig) -> _Engine:
+        adapter = Adapter(cfg)
+        return _Engine(cfg=cfg, adapter=adapter, probe=EngineProbe(adapter),
+                       tracker=StallTracker(StallSettings.from_config(cfg), separates_decode=adapter.separates_decode),
+                       ledger=RestartLedger(cfg.restart_loop.count, cfg.restart_loop.window))
+
+    def reconfigure(self, configs: Sequence[EngineConfig]) -> dict[str, list[str]]:
+        """Apply a reloaded `engines:` list (SIGHUP): new engines start being watched, removed
+        ones stop, changed ones take their new settings at their next poll while keeping
+        what was learnt (stall state, prefill rate, restart ledger). Sync: called from the
+        daemon's signal handler inside the running loop. -> {added, removed, changed}."""
+        self._check(configs)
+        new = {c.name: c for c in configs}
+        out: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+        loop = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        for name in list(self._engines):
+            if name not in new:
+                e = self._engines.pop(name)
+                task = self._tasks.pop(name, None)
+                if task is not None:
+                    task.cancel()
+                if loop is not None:
+                    loop.create_task(e.probe.aclose())
+                out["removed"].append(name)
+        for name, cfg in new.items():
+            e = self._engines.get(name)
+            if e is None:
+                e = self._engines[name] = self._new_engine(cfg)
+                if loop is not None and self._running:  # the loops are running: start this one's
+                    self._tasks[name] = loop.create_task(self._engine_loop(e), name=f"engine:{name}")
+                out["added"].append(name)
+            elif cfg != e.cfg:
+                old_probe = e.probe
+                e.cfg = cfg
+                e.adapter = Adapter(cfg)
+                e.probe = EngineProbe(e.adapter)
+                e.tracker.s = StallSettings.from_config(cfg)
+                e.tracker.separates_decode = e.adapter.separates_decode
+                e.ledger.count, e.ledger.window = cfg.restart_loop.count, cfg.restart_loop.window
+                if loop is not None:
+                    loop.create_task(old_probe.aclose())
+                out["changed"].append(name)
+        self._cache_owner = {c.name: n for n, cfg in new.items() for c in cfg.caches}
+        for cache in [c for c in self._cache_scans if c not in self._cache_owner]:
+            del self._cache_scans[cache]
+        return out
 
     # -- public read side ----------------------------------------------------------------
     def snapshots(self) -> dict[str, EngineSnapshot]:
@@ -96,18 +190,76 @@ class EngineWatchdog:
     def cache_scans(self) -> dict[str, CacheScan]:
         return dict(self._cache_scans)
 
+    def gpu_processes(self) -> list[tuple[GpuProcess, str, str]]:
+        """(hold, GPU name, engine name or "") for every process holding a GPU, last scan."""
+        owner = {pid: name for name, e in self._engines.items() if e.procs for pid in e.procs.pids}
+        name = self.attribution.name if self.attribution else (lambda b: b)
+        return [(g, name(g.bdf), owner.get(g.pid, "")) for g in self._gpu_procs]
+
+    # -- GPU attribution -----------------------------------------------------------------
+    async def attribute_once(self) -> list[GpuProcess]:
+        """Scan which processes hold which GPU; give each engine its holds; alert when an
+        engine is gone but a process that held VRAM for it still does (an orphaned worker,
+        a process stuck in the driver)."""
+        if self.attribution is None:
+            return []
+        found = await asyncio.to_thread(self.attribution.scan)
+        self._gpu_procs = found
+        by_pid: dict[int, list[GpuProcess]] = {}
+        for g in found:
+            by_pid.setdefault(g.pid, []).append(g)
+        for e in list(self._engines.values()):
+            if e.procs is not None:
+                e.gpu_holders = tuple(g for pid in e.procs.pids for g in by_pid.get(pid, ()))
+                e.held_by.update({g.pid: g for g in e.gpu_holders})
+                e.vram_alerted = False
+                continue
+            still = [g for pid, old in e.held_by.items() for g in by_pid.get(pid, ()) if g.vram_bytes]
+            e.gpu_holders = tuple(still)  # what still holds its GPUs on its behalf
+            if still and not e.vram_alerted:
+                e.vram_alerted = True
+                self._event(e, "engine_vram_held", "alert",
+                            f"engine {e.cfg.name} is down but " + ", ".join(
+                                f"PID {g.pid} ({g.comm}) still holds {g.vram_bytes / 2**20:.0f} MiB on "
+                                f"{self.attribution.name(g.bdf)}" for g in still),
+                            holders=[g.to_dict() for g in still])
+            elif not still:
+                e.held_by.clear()
+        return found
+
+    async def _attribution_loop(self) -> None:
+        while not self._stopping:
+            try:
+                await self.attribute_once()
+            except Exception:  # noqa: BLE001 - attribution is advisory
+                log.exception("GPU process attribution failed")
+            await asyncio.sleep(ATTRIBUTION_INTERVAL)
+
     # -- loops ---------------------------------------------------------------------------
     async def run(self) -> None:
         """Poll every engine on its own cadence until cancelled."""
         self._stopping = False
-        tasks = [asyncio.create_task(self._engine_loop(e), name=f"engine:{e.cfg.name}")
-                 for e in self._engines.values()]
+        self._running = True
+        self._tasks = {e.cfg.name: asyncio.create_task(self._engine_loop(e), name=f"engine:{e.cfg.name}")
+                       for e in self._engines.values()}
+        if self.attribution is not None:
+            self._tasks[" attribution"] = asyncio.create_task(self._attribution_loop(), name="engines:attribution")
         try:
             # asyncio.wait, not gather: cancelling run() must not wait for the loops first.
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                t.result()
+            # Re-read each turn: a reload adds and removes loops.
+            while True:
+                current = set(self._tasks.values())
+                if not current:
+                    await asyncio.sleep(0.5)
+                    continue
+                done, _ = await asyncio.wait(current, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if not t.cancelled() and t.exception() is not None:
+                        t.result()
+                    self._tasks = {n: x for n, x in self._tasks.items() if x is not t}
         finally:
+            self._running = False
+            tasks = list(self._tasks.values())
             # A cancellation can be swallowed inside httpx/anyio's connect machinery (a
             # connect to a frozen engine): the flag ends such a loop at its next turn.
             self._stopping = True
@@ -115,13 +267,15 @@ class EngineWatchdog:
                 t.cancel()
             # Bounded: a poll stuck in an HTTP exchange with a half-dead engine must not
             # hold the daemon's shutdown (or a test) forever.
-            done, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
+            done, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT) if tasks else (set(), set())
             if pending:
                 log.error("engine watchdog: %d engine loop(s) did not stop within %g s: %s", len(pending),
                           CLOSE_TIMEOUT, ", ".join(t.get_name() for t in pending))
             await self.aclose()
 
     async def aclose(self) -> None:
+        if self.incidents is not None:
+            await self.incidents.aclose()
         for e in self._engines.values():
             try:
                 await asyncio.wait_for(e.probe.aclose(), CLOSE_TIMEOUT)
@@ -134,9 +288,9 @@ class EngineWatchdog:
         return self.snapshots()
 
     async def _engine_loop(self, e: _Engine) -> None:
-        interval = e.cfg.poll_interval
         next_at = time.monotonic()
         while not self._stopping:
+            interval = e.cfg.poll_interval  # a reload may change it
             try:
                 await self._poll(e, None)
             except asyncio.CancelledError:
@@ -177,11 +331,14 @@ class EngineWatchdog:
             time=now, pid=procs.main_pid if procs else None, pid_start=procs.main_start if procs else None,
             health=probe.health if procs else None, reading=probe.reading if procs else None,
             metrics_error=probe.metrics_error if procs else None,
-            cpu_seconds=procs.gpu_stat.cpu_seconds if procs else None)
+            cpu_seconds=procs.gpu_stat.cpu_seconds if procs else None,
+            process_state=procs.gpu_stat.state if procs else None,
+            batch_tokens=procs.batch_tokens if procs else None)
         async with e.lock:
             v = e.tracker.observe(obs)
             e.polls += 1
             prev = e.snapshot
+            self._remember(e, v, probe, now)
             e.snapshot = self._snapshot(e, v, probe, procs, now, error)
             await self._transitions(e, prev, v, probe, procs, now)
             if e.snapshot.last_action != e.last_action:  # an action taken in this poll
@@ -189,12 +346,74 @@ class EngineWatchdog:
         if e.last_cache_scan is None or now - e.last_cache_scan >= cfg.cache_scan_interval:
             await self._scan_caches(e, now)
 
+    def _remember(self, e: _Engine, v: Verdict, probe: ProbeResult, now: float) -> None:
+        """Issue 22: the readings an incident bundle carries, and pause bookkeeping: a
+        no-progress period that ends with progress (not a kill, not a restart) is a pause."""
+        e.samples.append({"t": now, "state": v.state, "health": probe.health, "health_detail": probe.health_detail,
+                          "metrics_error": probe.metrics_error,
+                          "reading": asdict(probe.reading) if probe.reading is not None else None,
+                          "no_progress_seconds": round(v.no_progress_seconds, 3),
+                          "tokens_per_second": v.tokens_per_second, "reason": v.reason})
+        while e.samples and e.samples[0]["t"] < now - SAMPLE_WINDOW:
+            e.samples.popleft()
+        if probe.metrics_text is not None:
+            e.raw.append({"t": now, "metrics": probe.metrics_text[:200_000]})
+        pause_min = max(1.0, 2 * e.cfg.poll_interval)
+        if v.state in ("down", "starting") or v.new_pid:
+            e.pause = None
+            return
+        if v.no_progress_seconds >= pause_min or (v.stalled and v.no_progress_seconds > 0):
+            if e.pause is None:
+                r = v.reading
+                e.pause = {"start": now - v.no_progress_seconds, "running": r.running if r else None,
+                           "waiting": r.waiting if r else None, "gpu": {}, "worst_state": v.state}
+            if v.state in ("stalled", "unhealthy"):
+                e.pause["worst_state"] = v.state
+            if self.gpu_telemetry is not None:
+                try:
+                    for gpu, t in (self.gpu_telemetry(self._gpu_names(e)) or {}).items():
+                        e.pause["gpu"].setdefault(gpu, []).append(t)
+                except Exception:  # noqa: BLE001 - telemetry is optional here
+                    pass
+        elif v.no_progress_seconds == 0 and e.pause is not None and v.state in ("busy", "idle"):
+            p, e.pause = e.pause, None
+            seconds = now - p["start"]
+            gpus = {}
+            for gpu, ts in p["gpu"].items():
+                busy = [t["busy_ratio"] for t in ts if t.get("busy_ratio") is not None]
+                power = [t["power_watts"] for t in ts if t.get("power_watts") is not None]
+                gpus[gpu] = {"busy_ratio_mean": sum(busy) / len(busy) if busy else None,
+                             "power_watts_mean": sum(power) / len(power) if power else None}
+            rec = {"start": p["start"], "seconds": round(seconds, 3), "running": p["running"],
+                   "waiting": p["waiting"], "worst_state": p["worst_state"], "gpus": gpus}
+            e.pauses.append(rec)
+            e.pause_sum += seconds
+            e.pause_count += 1
+            for i, b in enumerate(PAUSE_BUCKETS):
+                if seconds <= b:
+                    e.pause_buckets[i] += 1
+            self._event(e, "engine_pause", "info" if p["worst_state"] not in ("stalled", "unhealthy") else "warning",
+                        f"engine {e.cfg.name}: no progress for {seconds:.1f} s, then progress again by itself"
+                        f" (running {rec['running']}, waiting {rec['waiting']})", pause=rec)
+
+    def pause_histograms(self) -> dict[str, tuple[list[int], float, int]]:
+        """engine -> (cumulative bucket counts for PAUSE_BUCKETS, sum, count)."""
+        return {n: (list(e.pause_buckets), e.pause_sum, e.pause_count) for n, e in self._engines.items()}
+
+    @staticmethod
+    def _longest_pause_today(e: _Engine, now: float) -> float | None:
+        day = time.strftime("%Y-%m-%d", time.gmtime(now))
+        today = [p["seconds"] for p in e.pauses if time.strftime("%Y-%m-%d", time.gmtime(p["start"])) == day]
+        return max(today) if today else None
+
     def _snapshot(self, e: _Engine, v: Verdict, probe: ProbeResult, procs: EngineProcesses | None,
                   now: float, error: str | None) -> EngineSnapshot:
         r = v.reading
         ev = dict(v.evidence)
         if procs is not None:
             ev.update(pids=list(procs.pids), gpu_pid=procs.gpu_pid, gpu_process_state=procs.gpu_stat.state)
+            if e.gpu_holders:
+                ev["gpu_processes"] = [g.to_dict() for g in e.gpu_holders]
             if procs.note:
                 ev["process_note"] = procs.note
         ev["health_detail"] = probe.health_detail
@@ -205,13 +424,16 @@ class EngineWatchdog:
             tokens_per_second=v.tokens_per_second, no_progress_seconds=v.no_progress_seconds,
             decode_gap_seconds=v.decode_gap_seconds, stalled=v.stalled, cpu_percent=v.cpu_percent,
             last_action=e.last_action, time_to_ready_seconds=v.time_to_ready, url=e.cfg.url,
-            gpus=tuple(e.cfg.gpus), gpu_pid=procs.gpu_pid if procs else None, reason=v.reason,
+            gpus=self._gpu_names(e), gpu_pid=procs.gpu_pid if procs else None, reason=v.reason,
             health=probe.health if procs else None, metrics_error=probe.metrics_error if procs else None,
-            stall_window_seconds=v.stall_window, polled_at=now, polls=e.polls, error=error, evidence=ev)
+            stall_window_seconds=v.stall_window, polled_at=now, polls=e.polls, error=error, evidence=ev,
+            pauses=e.pause_count, longest_pause_today_seconds=self._longest_pause_today(e, now),
+            last_incident=e.last_incident)
 
     async def _transitions(self, e: _Engine, prev: EngineSnapshot | None, v: Verdict, probe: ProbeResult,
                            procs: EngineProcesses | None, now: float) -> None:
         cfg = e.cfg
+        self._restart_outcome(e, v, procs, now)
         if v.new_pid and procs is not None:
             self._event(e, "engine_started", "info", f"engine {cfg.name} started as PID {procs.main_pid}",
                         pid=procs.main_pid)
@@ -225,24 +447,46 @@ class EngineWatchdog:
         if v.state == "down" and prev is not None and prev.state != "down":
             self._event(e, "engine_down", "warning", f"engine {cfg.name}: no process", last_state=prev.state)
         if v.state in ("stalled", "unhealthy") and v.reason:
-            if e.episode != v.reason:
-                e.episode = v.reason
+            if e.episode is None:
+                e.episode, e.episode_at, e.dumped, e.acted = v.reason, now, False, False
                 await self._on_bad(e, v, procs, now)
+            e.episode = v.reason
+            await self._graded(e, v, procs, now)
         elif v.state not in ("stalled", "unhealthy"):
             if e.episode is not None and v.state in ("busy", "idle"):
-                self._event(e, "engine_recovered", "info", f"engine {cfg.name} progressing again")
+                held = now - (e.episode_at or now)
+                self._event(e, "engine_recovered", "info", f"engine {cfg.name} progressing again"
+                            + ("" if e.acted else f" {held:.1f} s after the stall was declared, before kill_after: "
+                               "recorded, not killed"))
             e.episode = None
+            e.episode_at = None
 
     async def _on_bad(self, e: _Engine, v: Verdict, procs: EngineProcesses | None, now: float) -> None:
+        """The stall is declared: alert (and start collecting: the readings are kept)."""
         cfg = e.cfg
         kind = "engine_stalled" if v.state == "stalled" else "engine_unhealthy"
         if v.state == "stalled":
             self._stalls[(cfg.name, v.reason or "stalled")] += 1
         evidence = dict(e.snapshot.evidence) if e.snapshot else dict(v.evidence)
+        later = cfg.effective_kill_after - cfg.stall_after
         msg = (f"engine {cfg.name} {v.state}: {v.reason} (no progress {v.no_progress_seconds:.1f} s, "
                f"window {v.stall_window:.1f} s, running {evidence.get('running')}, "
-               f"waiting {evidence.get('waiting')}, cpu {evidence.get('cpu_percent')} %)")
+               f"waiting {evidence.get('waiting')}, cpu {evidence.get('cpu_percent')} %)"
+               + (f"; {cfg.action} in {later:g} s unless it recovers" if later > 0 and cfg.action != "alert" else ""))
         self._event(e, kind, "alert", msg, reason=v.reason, evidence=evidence)
+
+    async def _graded(self, e: _Engine, v: Verdict, procs: EngineProcesses | None, now: float) -> None:
+        """Issue 22: bundle at dump_after, act at kill_after (offsets from the declaration,
+        which came at stall_after, or later where a prompt batch stretched the bound)."""
+        cfg = e.cfg
+        since = now - (e.episode_at or now)
+        jitter = 0.1 * cfg.poll_interval
+        evidence = dict(e.snapshot.evidence) if e.snapshot else dict(v.evidence)
+        if not e.dumped and since >= cfg.effective_dump_after - cfg.stall_after - jitter and procs is not None:
+            await self._dump(e, procs, v.reason or "stalled", evidence, now)
+        if e.acted or since < cfg.effective_kill_after - cfg.stall_after - jitter:
+            return
+        e.acted = True
         action = cfg.action
         if v.state == "unhealthy" and not cfg.act_on_unhealthy:
             action = "alert"
@@ -254,11 +498,36 @@ class EngineWatchdog:
         else:
             await self._restart(e, procs, v.reason or "stalled", evidence, now)
 
+    async def _dump(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float) -> None:
+        """Take the incident bundle: the process snapshot now (bounded), the rest in the
+        background (incidents.py); never more than one per episode."""
+        e.dumped = True
+        if self.incidents is None:
+            return
+        cfg = e.cfg
+        decision = {"engine": cfg.name, "kind": cfg.kind, "reason": reason, "time": now, "action": cfg.action,
+                    "episode_declared_at": e.episode_at, "evidence": evidence,
+                    "graded": {"stall_after": cfg.stall_after, "dump_after": cfg.effective_dump_after,
+                               "kill_after": cfg.effective_kill_after},
+                    "pause_in_progress": dict(e.pause) if e.pause else None}
+        samples = list(e.samples) + [{"raw_metrics": r} for r in e.raw]
+        try:
+            bundle = await self.incidents.begin(cfg.name, now, decision, list(procs.pids), samples,
+                                                list(self._gpu_names(e)), SAMPLE_WINDOW)
+        except Exception:  # noqa: BLE001 - evidence is best effort; the action must go on
+            log.exception("engine %s: incident bundle failed", cfg.name)
+            return
+        e.last_incident = bundle.path.name
+        self._event(e, "engine_incident", "info", f"engine {cfg.name}: incident bundle {bundle.path}",
+                    path=str(bundle.path), notes=list(bundle.notes))
+
     # -- actions -------------------------------------------------------------------------
     async def _kill(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float,
                     who: str = "policy") -> KillResult:
         cfg = e.cfg
-        result = await kill_engine(procs.pids, cfg.grace)
+        if not e.dumped or e.episode is None:  # per kill: API and kernel kills too
+            await self._dump(e, procs, reason, evidence, now)
+        result = await kill_engine(procs.pids, cfg.grace, cgroup=procs.cgroup)
         self._actions[(cfg.name, "kill", reason)] += 1
         e.last_action = f"kill ({reason})"
         self._audit(e, "kill", reason, who, evidence, result.to_dict(), now)
@@ -272,29 +541,70 @@ class EngineWatchdog:
 
     async def _restart(self, e: _Engine, procs: EngineProcesses | None, reason: str, evidence: dict,
                        now: float, who: str = "policy") -> dict:
+        """Restart through the unit or the configured command, then watch for the engine to
+        come back (`engine_restart_failed` when no new process is ready within ready_timeout).
+        Without either (only reachable from the GPU-reset hook or the API: the config refuses
+        `action: restart` without one) the engine is killed and the event says so."""
         cfg = e.cfg
         argv = restart_argv(cfg.process.systemd_unit, cfg.restart_command)
         out: dict[str, Any] = {}
         if argv is None:
-            # No unit, no command: kill and let the service manager's Restart= bring it back.
             if procs is not None:
-                out["kill"] = (await kill_engine(procs.pids, cfg.grace)).to_dict()
-            out["restart"] = "left to the service manager (Restart=)"
-        else:
-            res: CommandResult = await run_command(argv)
-            out["command"] = res.to_dict()
-        e.tracker.mark_starting()
+                await self._kill(e, procs, reason, evidence, now, who=who)
+                out["kill"] = "killed; no systemd_unit or restart_command to restart it with"
+            else:
+                out["kill"] = "no process; no systemd_unit or restart_command to restart it with"
+            return out
+        res: CommandResult = await run_command(argv)
+        out["command"] = res.to_dict()
         self._actions[(cfg.name, "restart", reason)] += 1
         e.last_action = f"restart ({reason})"
-        self._audit(e, "restart", reason, who, evidence, out, now)
-        failed = "command" in out and out["command"]["returncode"] != 0
-        self._event(e, "engine_restarted", "critical" if failed else "alert",
-                    f"engine {cfg.name} restarted ({reason})" + (" — restart command FAILED" if failed else ""),
+        failed = res.returncode != 0
+        if failed:
+            self._audit(e, "restart", reason, who, evidence, {**out, "outcome": "command failed"}, now)
+            self._event(e, "engine_restart_failed", "critical",
+                        f"engine {cfg.name}: restart ({reason}) command {' '.join(argv)} failed: "
+                        f"{res.returncode if res.returncode is not None else res.output}", reason=reason, result=out)
+            return out
+        e.tracker.mark_starting()
+        e.restart_pending = (now, reason, procs.main_pid if procs else None)
+        self._audit(e, "restart", reason, who, evidence,
+                    {**out, "outcome": f"command ran; waiting up to {cfg.ready_timeout:g} s for a new ready process"}, now)
+        self._event(e, "engine_restarting", "alert",
+                    f"engine {cfg.name}: restart ({reason}) with {' '.join(argv)}; waiting for it to come back",
                     reason=reason, result=out)
         return out
 
+    def _restart_outcome(self, e: _Engine, v: Verdict, procs: EngineProcesses | None, now: float) -> None:
+        """Whether the restart gpuguard made came back: a NEW process answering ready."""
+        if e.restart_pending is None:
+            return
+        at, reason, old = e.restart_pending
+        cfg = e.cfg
+        if v.became_ready and procs is not None and procs.main_pid != old:
+            e.restart_pending = None
+            secs = now - at
+            self._audit(e, "restart", reason, "policy", {}, {"outcome": "came back", "pid": procs.main_pid,
+                                                             "seconds": round(secs, 3)}, now)
+            self._event(e, "engine_restarted", "info",
+                        f"engine {cfg.name} came back as PID {procs.main_pid} {secs:.1f} s after the restart ({reason})",
+                        reason=reason, pid=procs.main_pid, seconds=round(secs, 3))
+        elif now - at >= cfg.ready_timeout:
+            e.restart_pending = None
+            what = ("no process" if procs is None else
+                    f"PID {procs.main_pid} not ready" if procs.main_pid != old else f"still the old PID {old}")
+            self._audit(e, "restart", reason, "policy", {}, {"outcome": "did not come back", "state": what}, now)
+            self._event(e, "engine_restart_failed", "critical",
+                        f"engine {cfg.name} did not come back within {cfg.ready_timeout:g} s of the restart "
+                        f"({reason}): {what}", reason=reason, state=what)
+
+    def _gpu_names(self, e: _Engine) -> tuple[str, ...]:
+        if e.cfg.gpus or self.attribution is None:
+            return tuple(e.cfg.gpus)
+        return tuple(self.attribution.name(b) for b in e.gpus)
+
     def _engines_on_gpu(self, gpu_name: str) -> list[_Engine]:
-        return [e for e in self._engines.values() if gpu_name in e.cfg.gpus]
+        return [e for e in self._engines.values() if gpu_name in self._gpu_names(e)]
 
     async def kill_engines_on_gpu(self, gpu_name: str, reason: str, evidence: dict | None = None) -> dict[str, dict]:
         """Kernel hook: gpu_hang / sq_interrupt / device_lost on `gpu_name` kills every engine
@@ -317,7 +627,8 @@ class EngineWatchdog:
         return out
 
     async def restart_engines_on_gpu(self, gpu_name: str, reason: str) -> dict[str, dict]:
-        """After a GPU reset: restart every engine on `gpu_name` (unit/command, else Restart=)."""
+        """After a GPU reset: restart every engine on `gpu_name` (unit/command; without one it
+        is killed, and the result says so)."""
         out: dict[str, dict] = {}
         now = self._clock()
 
@@ -372,14 +683,14 @@ class EngineWatchdog:
     # -- sinks ---------------------------------------------------------------------------
     def _audit(self, e: _Engine, what: str, why: str, who: str, evidence: dict, result: dict, now: float) -> None:
         record = {"what": what, "why": why, "who": who, "engine": e.cfg.name, "kind": e.cfg.kind,
-                  "gpus": list(e.cfg.gpus), "evidence": evidence, "result": result, "time": now}
+                  "gpus": list(self._gpu_names(e)), "evidence": evidence, "result": result, "time": now}
         try:
             self._audit_sink(record)
         except Exception:  # noqa: BLE001 - a broken audit sink is logged, the action stands
             log.exception("engine %s: audit sink failed for %s", e.cfg.name, what)
 
     def _event(self, e: _Engine, kind: str, severity: str, message: str, **fields: Any) -> None:
-        gpus = e.cfg.gpus
+        gpus = self._gpu_names(e)
         ev = Event(kind=kind, severity=severity, source=SOURCE, message=message,
                    gpu=gpus[0] if len(gpus) == 1 else None, engine=e.cfg.name, time=self._clock(),
                    fields={"gpus": list(gpus), **fields})

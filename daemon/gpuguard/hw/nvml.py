@@ -176,6 +176,26 @@ class NvmlSource:
                                        "VRAM used includes the driver's reserve")
         return mem, None
 
+    def processes(self, dev: NvmlDevice) -> dict[int, int | None]:
+        """pid -> GPU memory bytes (None when NVML does not say: NVML_VALUE_NOT_AVAILABLE,
+        or no memory accounting in a container) of the compute and graphics processes on
+        the GPU (issue 13: per-process attribution). Not supported = empty."""
+        n = self.nvml
+        h = n.nvmlDeviceGetHandleByIndex(dev.index)
+        out: dict[int, int | None] = {}
+        for call in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            try:
+                procs = getattr(n, call)(h)
+            except Exception as e:
+                if _err_name(e) in NOT_SUPPORTED_NAMES:
+                    continue
+                raise
+            for p in procs or ():
+                mem = getattr(p, "usedGpuMemory", None)
+                # NVML_VALUE_NOT_AVAILABLE is (unsigned long long)-1
+                out[int(p.pid)] = None if mem is None or int(mem) >= 2**64 - 1 else int(mem)
+        return out
+
     def read(self, dev: NvmlDevice, name: str) -> GpuSnapshot:
         n = self.nvml
         errors: dict[str, str] = {}
@@ -319,6 +339,10 @@ def _encode(r: Any) -> Any:
     fields = getattr(r, "_fields_", None)
     if fields:
         return {"__struct__": {f[0]: _encode(getattr(r, f[0])) for f in fields}}
+    # pynvml hands process lists back as nvmlFriendlyObject (plain attributes, no _fields_)
+    plain = {k: v for k, v in getattr(r, "__dict__", {}).items() if not k.startswith("_")}
+    if plain:
+        return {"__struct__": {k: _encode(v) for k, v in plain.items()}}
     return {"__handle__": True}
 
 
@@ -388,6 +412,7 @@ def capture(path: str, power_seconds: float = 0.0, power_hz: float = 50.0) -> in
     src = NvmlSource(rec)
     devs = src.discover()
     snaps = [src.read(d, f"card{d.bdf}").to_dict() for d in devs]
+    processes = {d.bdf: {str(k): v for k, v in src.processes(d).items()} for d in devs}
     constants = {
         k: getattr(pynvml, k)
         for k in dir(pynvml)
@@ -400,6 +425,7 @@ def capture(path: str, power_seconds: float = 0.0, power_hz: float = 50.0) -> in
         "constants": constants,
         "calls": rec.calls,
         "snapshots": snaps,
+        "processes": processes,
     }
     if power_seconds > 0:
         doc["power_sampling"] = sample_power(rec, devs, power_seconds, power_hz)

@@ -20,7 +20,9 @@ child process) is hung, /metrics frozen; SGLang answers 503 while starting and /
 after --health-check-timeout when its scheduler (a child process) is stuck; llama-server
 answers 503 "Loading model" while loading, and /health 200 while /metrics blocks when its
 main loop is wedged. --cache-dir models INCIDENTS §7: zero-byte files there make the
-engine exit 0 at "graph capture"; --write-zero-byte-cache N leaves such files and exits."""
+engine exit 0 at "graph capture"; --write-zero-byte-cache N leaves such files and exits.
+--prefill-rate R --batch-size B [--starve-decode]: prompts computed B tokens per step at R
+tokens/s (a long prompt blocks llama-server's main loop for B/R s; §9 starvation replay)."""
 from __future__ import annotations
 
 import argparse
@@ -38,7 +40,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from gpuguard.sim.engines_core import Core, run_core_process, set_process_name
+from gpuguard.sim.engines_core import Core, run_core_process, serve_fdinfo, set_process_name
 
 KINDS = ("vllm", "sglang", "llamacpp")
 CORE_TITLES = {"vllm": "VLLM::EngineCore", "sglang": "sglang::scheduler"}
@@ -219,14 +221,20 @@ class SimEngine:
     def start_core(self) -> None:
         a = self.args
         if self.kind == "llamacpp":
-            self.core = Core(a.step_time, a.slots)
+            self.core = Core(a.step_time, a.slots, prefill_rate=a.prefill_rate, batch=a.batch_size,
+                             starve_decode=a.starve_decode)
+            if a.drm_root:
+                serve_fdinfo(a.drm_root, a.gpu_bdf, a.vram_mib * 1024 * 1024, self.core)
             threading.Thread(target=self.core.loop, kwargs={"on_state": self._on_state}, daemon=True,
                              name="main-loop").start()
             return
         title = CORE_TITLES[self.kind]
         self.child = subprocess.Popen(
             [sys.executable, "-m", "gpuguard.sim.engines", "--core", title, "--kind", self.kind,
-             "--step-time", str(a.step_time), "--slots", str(a.slots), "--port", "0"],
+             "--step-time", str(a.step_time), "--slots", str(a.slots), "--port", "0",
+             "--prefill-rate", str(a.prefill_rate), "--batch-size", str(a.batch_size)]
+            + (["--starve-decode"] if a.starve_decode else [])
+            + (["--drm-root", a.drm_root, "--gpu-bdf", a.gpu_bdf, "--vram-mib", str(a.vram_mib)] if a.drm_root else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         threading.Thread(target=self._read_child, daemon=True).start()
 
@@ -450,6 +458,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crash-after", type=float, default=0.2)
     p.add_argument("--write-zero-byte-cache", type=int, default=0, metavar="N",
                    help="write N zero-byte files into --cache-dir and exit (a power loss mid-compile)")
+    p.add_argument("--prefill-rate", type=float, default=0.0,
+                   help="prompt tokens/s (CPU-busy); 0 = a prompt takes one ordinary step")
+    p.add_argument("--batch-size", "-b", type=int, default=2048,
+                   help="prompt tokens per step (llama-server -b, vLLM max-num-batched-tokens, SGLang chunk)")
+    p.add_argument("--starve-decode", action="store_true",
+                   help="steps carrying prompt tokens carry no decode tokens (INCIDENTS §9)")
+    p.add_argument("--drm-root", help="the simulated host's proc tree: the GPU-owning process serves its "
+                   "DRM fdinfo there (amdgpu format)")
+    p.add_argument("--gpu-bdf", default="0000:03:00.0", help="drm-pdev of the simulated GPU")
+    p.add_argument("--vram-mib", type=int, default=1024, help="VRAM the GPU-owning process holds")
     p.add_argument("--core", metavar="TITLE", help=argparse.SUPPRESS)
     return p
 
@@ -457,7 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.core:
-        return run_core_process(args.core, args.step_time, args.slots, args.kind)
+        return run_core_process(args.core, args.step_time, args.slots, args.kind, prefill_rate=args.prefill_rate,
+                                batch=args.batch_size, starve_decode=args.starve_decode,
+                                drm=(args.drm_root, args.gpu_bdf, args.vram_mib * 1024 * 1024) if args.drm_root else None)
     if args.write_zero_byte_cache and not args.cache_dir:
         print("--write-zero-byte-cache needs --cache-dir", file=sys.stderr)
         return 2

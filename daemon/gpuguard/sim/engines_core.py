@@ -8,7 +8,14 @@ loop stops stepping and spins one core) and the SGLang gauges that refresh every
 
 It runs as a thread in the server process (llama-server: one process) or as its own child
 process speaking JSON lines on stdin/stdout (vLLM EngineCore, SGLang scheduler), so the
-GPU-owning process is distinct from the API server, as on a real host."""
+GPU-owning process is distinct from the API server, as on a real host.
+
+Prompts (issue 13, INCIDENTS §9): with a prefill rate set, a prompt is computed in batches of
+at most `batch` tokens, one batch per step, each step taking batch tokens / rate seconds of
+CPU (as a real prefill computes, or spins on its GPU queue). llama-server batches the busy
+slots' decode tokens with the prompt batch (one token each per step, but a long step);
+`starve_decode` is the §9 shape: steps that carry prompt tokens carry no decode tokens, so
+running requests get nothing until the prompt is done."""
 from __future__ import annotations
 
 import ctypes
@@ -33,6 +40,7 @@ class Request:
     prompt: int
     produced: int = 0
     prefilled: bool = False
+    prompt_left: int = 0
 
 
 @dataclass
@@ -57,9 +65,14 @@ class Histogram:
 
 
 class Core:
-    def __init__(self, step_time: float = 0.01, slots: int = 4, itl_buckets=ITL_BUCKETS) -> None:
+    def __init__(self, step_time: float = 0.01, slots: int = 4, itl_buckets=ITL_BUCKETS, *,
+                 prefill_rate: float = 0.0, batch: int = 2048, starve_decode: bool = False) -> None:
         self.step_time = step_time
         self.slots = slots
+        self.prefill_rate = prefill_rate  # tokens/s; 0 = a prompt takes one ordinary step
+        self.batch = batch
+        self.starve_decode = starve_decode
+        self.last_step_seconds = step_time
         self.running: list[Request] = []
         self.waiting: list[Request] = []
         self.stalled = False
@@ -90,7 +103,7 @@ class Core:
     def add(self, count: int = 1, max_tokens: int = 10**9, prompt_tokens: int = 16) -> None:
         with self.lock:
             for _ in range(count):
-                self.waiting.append(Request(remaining=max_tokens, prompt=prompt_tokens))
+                self.waiting.append(Request(remaining=max_tokens, prompt=prompt_tokens, prompt_left=prompt_tokens))
 
     def command(self, cmd: dict) -> None:
         op = cmd.get("op")
@@ -123,14 +136,40 @@ class Core:
                 return False
             self.steps += 1
             tokens_this_step = 0
-            if admitted:  # a prefill step (chunked prefill still steps)
-                for r in admitted:
-                    self.prompt_tokens += r.prompt
-                    tokens_this_step += r.prompt
-                    r.prefilled = True
-                self.prompt_seconds += self.step_time
-                self.reported_running, self.reported_waiting = len(self.running), len(self.waiting)
-            decoding = [r for r in self.running if r not in admitted]
+            prompt_now = 0
+            if self.prefill_rate > 0:
+                # one batch of prompt tokens, across the requests still in their prompt
+                budget = self.batch
+                filling = [r for r in self.running if r.prompt_left > 0]
+                for r in filling:
+                    take = min(budget, r.prompt_left)
+                    r.prompt_left -= take
+                    budget -= take
+                    prompt_now += take
+                    if r.prompt_left == 0:
+                        r.prefilled = True
+                    if budget <= 0:
+                        break
+                decoding = [r for r in self.running if r.prompt_left == 0 and r not in filling]
+                if prompt_now:
+                    self.prompt_tokens += prompt_now
+                    tokens_this_step += prompt_now
+                    self.prompt_seconds += prompt_now / self.prefill_rate
+                    self.reported_running, self.reported_waiting = len(self.running), len(self.waiting)
+                    if self.starve_decode:
+                        decoding = []
+                self.last_step_seconds = self.step_time + prompt_now / self.prefill_rate
+            else:
+                if admitted:  # a prefill step (chunked prefill still steps)
+                    for r in admitted:
+                        self.prompt_tokens += r.prompt
+                        tokens_this_step += r.prompt
+                        r.prefilled = True
+                        r.prompt_left = 0
+                    self.prompt_seconds += self.step_time
+                    self.reported_running, self.reported_waiting = len(self.running), len(self.waiting)
+                decoding = [r for r in self.running if r not in admitted]
+                self.last_step_seconds = self.step_time
             for r in decoding:
                 r.produced += 1
                 r.remaining -= 1
@@ -180,7 +219,13 @@ class Core:
             if on_state is not None and (worked or now - last_emit >= 0.05):
                 on_state(self.state())
                 last_emit = now
-            time.sleep(self.step_time if worked else min(self.step_time, 0.01))
+            if worked and self.last_step_seconds > self.step_time:
+                # a prompt batch computes: CPU busy for its whole length, nothing else served
+                end = now + self.last_step_seconds
+                while time.monotonic() < end:
+                    pass
+            else:
+                time.sleep(self.step_time if worked else min(self.step_time, 0.01))
 
     def call_in_loop(self, fn, timeout: float | None = None):
         """Run fn on the main loop and wait for it (blocks while the loop is wedged)."""
@@ -207,6 +252,48 @@ class Core:
             }
 
 
+def fdinfo_text(bdf: str, client_id: int, vram: int, busy_ns: int) -> str:
+    """What amdgpu's show_fdinfo prints for one DRM file (drm core keys, then amdgpu's
+    legacy drm-memory-* in KiB, its amd-* keys, and drm-engine-* busy time in ns)."""
+    kib = vram // 1024
+    return (f"pos:\t0\nflags:\t02100002\nmnt_id:\t26\nino:\t1045\n"
+            f"drm-driver:\tamdgpu\ndrm-client-id:\t{client_id}\ndrm-pdev:\t{bdf}\npasid:\t32770\n"
+            f"drm-memory-vram:\t{kib} KiB\ndrm-memory-gtt: \t2048 KiB\ndrm-memory-cpu: \t0 KiB\n"
+            f"amd-memory-visible-vram:\t{kib} KiB\namd-evicted-vram:\t0 KiB\namd-evicted-visible-vram:\t0 KiB\n"
+            f"amd-requested-vram:\t{kib} KiB\namd-requested-visible-vram:\t0 KiB\namd-requested-gtt:\t2048 KiB\n"
+            f"drm-engine-gfx:\t{busy_ns} ns\ndrm-engine-compute:\t{busy_ns // 2} ns\n")
+
+
+def serve_fdinfo(root: str, bdf: str, vram: int, core: "Core", stop: threading.Event | None = None) -> None:
+    """The simulated host's /proc for this process: <root>/<pid>/{comm,fd/N,fdinfo/N}, an
+    open render node (two fds on one DRM client, as after a dup) whose busy time grows with
+    the engine's steps. Runs as a daemon thread of the GPU-owning process."""
+    import os
+    from pathlib import Path
+
+    base = Path(root) / str(os.getpid())
+    (base / "fd").mkdir(parents=True, exist_ok=True)
+    (base / "fdinfo").mkdir(exist_ok=True)
+    comm = Path(f"/proc/{os.getpid()}/comm").read_text()
+    (base / "comm").write_text(comm)
+    client = 40 + os.getpid() % 1000
+    for fd in ("7", "8"):
+        link = base / "fd" / fd
+        if not link.is_symlink():
+            link.symlink_to("/dev/dri/renderD128")
+
+    def loop() -> None:
+        while stop is None or not stop.is_set():
+            text = fdinfo_text(bdf, client, vram, core.steps * int(core.step_time * 1e9))
+            for fd in ("7", "8"):
+                tmp = base / "fdinfo" / f".{fd}.tmp"
+                tmp.write_text(text)
+                tmp.replace(base / "fdinfo" / fd)
+            time.sleep(0.2)
+
+    threading.Thread(target=loop, daemon=True, name="fdinfo").start()
+
+
 def set_process_name(name: str) -> None:
     """Like setproctitle in vLLM/SGLang: the comm (15 chars) names the engine core."""
     try:
@@ -216,10 +303,13 @@ def set_process_name(name: str) -> None:
         pass
 
 
-def run_core_process(title: str, step_time: float, slots: int, itl: str) -> int:
+def run_core_process(title: str, step_time: float, slots: int, itl: str, drm: tuple | None = None,
+                     **prefill) -> int:
     """Child-process mode: commands in on stdin, state out on stdout, one JSON per line."""
     set_process_name(title)
-    core = Core(step_time, slots, SGLANG_ITL_BUCKETS if itl == "sglang" else ITL_BUCKETS)
+    core = Core(step_time, slots, SGLANG_ITL_BUCKETS if itl == "sglang" else ITL_BUCKETS, **prefill)
+    if drm:
+        serve_fdinfo(drm[0], drm[1], drm[2], core)
     out_lock = threading.Lock()
 
     def emit(state: dict) -> None:

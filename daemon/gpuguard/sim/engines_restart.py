@@ -1,6 +1,7 @@
 """A stand-in for systemd's `Restart=always` in tests and the demo (no systemd in CI):
 runs the engine command, starts it again `--restart-sec` after every exit, each run in its
-own session (as a unit's cgroup), until SIGTERM.
+own session (as a unit's cgroup), until SIGTERM. SIGHUP restarts the engine at once (SIGKILL
+and start again), like `systemctl restart` — what a test's `restart_command` sends.
 
     python -m gpuguard.sim.engines_restart [--restart-sec S] -- CMD ARGS..."""
 from __future__ import annotations
@@ -40,8 +41,16 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         os._exit(0)
 
+    def restart(*_):
+        for c in child:
+            try:
+                os.killpg(c.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, restart)
     while True:
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
         child[:] = [proc]

@@ -22,6 +22,7 @@ JSON shapes (stable; the CLI's status/events/engines read them):
   GET /v1/gpus/{gpu}      gpu            by configured name or PCI address
   GET /v1/events?since=T&limit=N   [event]   event = Event.to_dict(), oldest first
   GET /v1/engines         [{"name": str, ...provider fields}]
+  GET /v1/incidents       [{"name": str, "engine": str, "files": [...], ...}] engine incident bundles
   GET /v1/profiles        [{"name": str, ...provider fields}]
   GET /v1/pcie            PcieReport.to_dict() (`gpuguard pcie --json`) + {"findings": [doctor finding]}
   GET /v1/power           the last interval's per-GPU peak/p99/mean and the PSU verdict + advice
@@ -468,6 +469,10 @@ def build_app(
     @app.get("/v1/engines", dependencies=read)
     def get_engines() -> list[dict[str, Any]]:
         return jsonable(list(provided("engines")))
+
+    @app.get("/v1/incidents", dependencies=read)
+    def get_incidents() -> list[dict[str, Any]]:
+        return jsonable(list(provided("incidents")))
 
     @app.get("/v1/profiles", dependencies=read)
     def get_profiles() -> list[dict[str, Any]]:
