@@ -7,7 +7,9 @@ written; SIGHUP applies each section or names it as needing a restart; GPU-less 
 lines never break /metrics."""
 from __future__ import annotations
 
+import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -280,6 +282,29 @@ def _kmsg(line: str) -> None:
         f.write(line + "\n")
 
 
+def _kmsg_seq(line: str, timeout: float = 10.0) -> int:
+    """Write `line` to /dev/kmsg and return the sequence number the kernel gave it: read
+    back through a reader opened at the end of the log before the write."""
+    text = line.split(">", 1)[1] if line.startswith("<") else line
+    fd = os.open("/dev/kmsg", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        os.lseek(fd, 0, os.SEEK_END)
+        os.write(fd, (line + "\n").encode())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            select.select([fd], [], [], 0.5)
+            try:
+                rec = os.read(fd, 8192).decode("utf-8", "replace")
+            except (BlockingIOError, BrokenPipeError):  # nothing yet / overrun: read on
+                continue
+            head, _, msg = rec.partition(";")
+            if msg.split("\n", 1)[0] == text:
+                return int(head.split(",")[1])
+        raise AssertionError(f"{line!r} not read back from /dev/kmsg within {timeout} s")
+    finally:
+        os.close(fd)
+
+
 def kernel_count(d: Run, kind: str) -> float | None:
     r = httpx.get(f"{d.base}/metrics", timeout=5)
     assert r.status_code == 200, r.text
@@ -309,8 +334,13 @@ def test_sighup_applies_each_section_or_names_it_as_needing_restart(tmp_path, mo
     cfg = config(**base, extra=kernel % "false" + engines % 30)
     d = run(cfg, port)
     poll_until(lambda: d.alive() and d.said("READY=1"), 60, "READY=1")
-    # a user-space line is ignored while kernel.allow_userspace is false ...
-    _kmsg(f"<3>Out of memory: Killed process 999991 ({tag}-a)")
+    # a user-space line is ignored while kernel.allow_userspace is false ... (the reload
+    # waits until the reader saved its position past that line: else the line may still
+    # be unread when the reload allows user space, and be counted, as on a loaded CI box)
+    seq_a = _kmsg_seq(f"<3>Out of memory: Killed process 999991 ({tag}-a)")
+    position = tmp_path / "state" / "kmsg-position.json"
+    poll_until(lambda: position.exists() and json.loads(position.read_text())["seq"] >= seq_a, 30,
+               "the kernel reader past the ignored user-space line")
 
     # 1. kernel.allow_userspace, poll interval, a profile's value: applied live
     line = reload(d, config(**base, interval=0.5, xtx_sclk=1800, extra=kernel % "true" + engines % 30).read_text(), 0)
