@@ -77,9 +77,13 @@ def test_demo_serves_telemetry_in_base_units_and_stops_on_ctrl_c(tmp_path, wait_
         # the simulated vLLM engine is watched
         wait_for(lambda: scrape(base).get(("gpuguard_engine_up", (("engine", "vllm-demo"),))) == 1.0,
                  timeout=30, what="the demo engine up")
-        engine_pids = [p.pid for p in psutil.process_iter(["cmdline"])
-                       if "gpuguard.sim.engines" in " ".join(p.info["cmdline"] or [])]
-        assert engine_pids
+        # the demo's own engine processes, found from its PID (not every simulated engine on
+        # the host: another test's or user's would never stop with this demo): the restart
+        # stand-in, the API server and its EngineCore
+        mine = {p.pid: " ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True)}
+        engine_pids = [pid for pid, cmd in mine.items() if "gpuguard.sim.engines" in cmd]
+        assert any("--core" in mine[pid] for pid in engine_pids), mine
+        assert any("--kind vllm" in mine[pid] and "--core" not in mine[pid] for pid in engine_pids), mine
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         rest, _ = proc.communicate(timeout=30)

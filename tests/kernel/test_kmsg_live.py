@@ -64,16 +64,19 @@ def _oldest_seq() -> int:
         os.close(fd)
 
 
-def test_written_record_is_classified_with_its_gpu_within_100ms(kmsg_writer, tag, tmp_path):
+def test_written_record_is_classified_with_its_gpu_on_the_fds_wakeup(kmsg_writer, tag, tmp_path):
     async def main():
-        reader = KmsgReader(state_file=tmp_path / "pos.json", allow_userspace=True)
+        # The fallback read timer is set far beyond the bound below, so an arrival within
+        # it proves the reader woke on the fd itself: a loaded 2-core box can take a few
+        # hundred ms to schedule the loop, which a sub-100 ms bound mistook for a failure.
+        reader = KmsgReader(state_file=tmp_path / "pos.json", allow_userspace=True, poll_interval=60.0)
         router = KernelEventRouter(Rules.load(), gpu_name_for_bdf={"0000:aa:00.0": "gpu-aa"}.get)
         task = asyncio.create_task(router.run_kmsg(reader))
         assert await _until(lambda: reader.fileno() is not None, 2.0)
         start = time.monotonic()
         kmsg_writer([HANG.format(tag=tag)])
         mine = lambda: [e for e in router.events if tag in e.message]  # noqa: E731
-        found = await _until(lambda: mine(), 2.0)
+        found = await _until(lambda: mine(), 10.0)
         elapsed = time.monotonic() - start
         await _stop(task)
         assert found, "the record never arrived"
@@ -81,7 +84,7 @@ def test_written_record_is_classified_with_its_gpu_within_100ms(kmsg_writer, tag
         assert (event.kind, event.gpu, event.bdf, event.source) == ("gpu_hang", "gpu-aa", "0000:aa:00.0", "kernel")
         assert event.fields["facility"] == 1 and event.fields["level"] == 3
         assert router.counts[("gpu-aa", "gpu_hang")] == 1
-        assert elapsed < 0.1, f"took {elapsed * 1000:.1f} ms"
+        assert elapsed < 5.0, f"took {elapsed * 1000:.1f} ms"
         # The position was saved on close, atomically (no temp file left behind).
         saved = json.loads((tmp_path / "pos.json").read_text())
         assert saved["seq"] == event.fields["seq"]

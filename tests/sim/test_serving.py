@@ -281,7 +281,10 @@ def test_tree_as_separate_process_without_fuse(tmp_path):
         wait_for(lambda: (root / "sys/bus/pci/devices/0000:08:00.0/vendor").exists(), timeout=15,
                  what="the late GPU in the plain tree")
         st = send(sock, "state")["gpus"]["0000:08:00.0"]
-        assert (root / f"sys/class/drm/card{st['card']}/device/device").read_bytes() == b"0x7551\n"
+        # the writer makes the card's drm link after the PCI files: wait on the very file read
+        device = root / f"sys/class/drm/card{st['card']}/device/device"
+        wait_for(device.exists, timeout=15, what=f"{device} in the plain tree")
+        assert device.read_bytes() == b"0x7551\n"
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=15)

@@ -15,12 +15,16 @@ import sys
 import time
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """A test stand-in must not leak engines: the child dies if this supervisor does."""
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    # The supervisor may have been stopped between the fork and the prctl (a stop during
+    # a restart): the death signal is then never sent, so check for it by hand.
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,11 +52,12 @@ def main(argv: list[str] | None = None) -> int:
             except ProcessLookupError:
                 pass
 
+    me = os.getpid()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, restart)
     while True:
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=lambda: _die_with_parent(me))
         child[:] = [proc]
         proc.wait()
         time.sleep(a.restart_sec)
