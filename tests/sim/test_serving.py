@@ -290,3 +290,20 @@ def test_tree_as_separate_process_without_fuse(tmp_path):
         out, err = proc.communicate(timeout=15)
     assert proc.returncode == 0, err.decode()[-2000:]
     assert b"Traceback" not in err
+
+
+def test_without_libfuse_the_module_imports_and_names_why_it_cannot_mount(tmp_path):
+    # mfusepy loads libfuse at import; FUSE_LIBRARY_NAME=none stands in for a host without it.
+    # The suite on such a host must skip FUSE tests with this reason, not stop at collection.
+    code = ("from gpuguard.sim.fuse import fuse_available, mount\n"
+            "from gpuguard.sim.host import SimHost\n"
+            "print(fuse_available())\n"
+            "try:\n"
+            f"    with mount(SimHost(), {str(tmp_path / 'mnt')!r}): pass\n"
+            "except RuntimeError as e: print('refused:', e)\n")
+    env = dict(os.environ, FUSE_LIBRARY_NAME="none", PYTHONPATH=str(REPO / "daemon"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    reason, refused = r.stdout.splitlines()
+    assert reason.startswith("libfuse cannot be loaded") and "fuse3" in reason
+    assert refused == f"refused: cannot mount the simulated host: {reason}"

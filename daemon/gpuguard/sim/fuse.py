@@ -32,14 +32,23 @@ import sys
 import threading
 import time
 
-import mfusepy
+try:
+    import mfusepy
+except OSError as _e:
+    # mfusepy loads libfuse when imported: on a host without it the module still imports
+    # and fuse_available() says why, so callers (tests, the demo) skip or fall back
+    # instead of failing at import.
+    mfusepy = None
+    _NO_LIBFUSE: str | None = f"libfuse cannot be loaded ({_e}); install the Debian package fuse3"
+else:
+    _NO_LIBFUSE = None
 
 from .host import SimHost
 
 FUSERMOUNT = shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
 
 
-class SimFS(mfusepy.Operations):
+class SimFS(mfusepy.Operations if mfusepy is not None else object):  # type: ignore[misc]
     use_ns = True
 
     def __init__(self, host: SimHost) -> None:
@@ -56,7 +65,7 @@ class SimFS(mfusepy.Operations):
             return 0
 
     @staticmethod
-    def _err(e: OSError) -> mfusepy.FuseOSError:
+    def _err(e: OSError) -> OSError:
         return mfusepy.FuseOSError(e.errno or errno.EIO)
 
     def getattr(self, path, fh=None):
@@ -135,6 +144,8 @@ class SimFS(mfusepy.Operations):
 
 def fuse_available() -> str | None:
     """None when FUSE can be used here, else the reason it cannot."""
+    if _NO_LIBFUSE is not None:
+        return _NO_LIBFUSE
     if not os.path.exists("/dev/fuse"):
         return "/dev/fuse is missing"
     if not shutil.which("fusermount3") and not shutil.which("fusermount"):
