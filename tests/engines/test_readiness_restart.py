@@ -53,8 +53,9 @@ def test_restart_then_starting_until_new_pid_ready(tmp_path, sims):
     assert len(back) == 1 and back[0].fields["pid"] == s2.pid
     assert not [e for e in events if e.kind == "engine_restart_failed"]
     # while the new process loaded (1.5 s > stall_after 1 s) it was `starting`, never stalled
-    after = states[states.index(next(x for x in states if x[0] == "stalled")) + 1:]
-    new = [st for st, pid in after if pid == s2.pid]
+    # (the old one's stall is in the audit above: a sampled `stalled` can be too short-lived
+    # to catch on a loaded box, so the states are taken by PID, not after that sample)
+    new = [st for st, pid in states if pid == s2.pid]
     assert new[0] == "starting" and "stalled" not in new and new[-1] == "idle"
     assert READY_AFTER <= s2.time_to_ready_seconds < READY_AFTER + 1.5
     ready_events = [e for e in events if e.kind == "engine_ready"]

@@ -180,9 +180,9 @@ def test_gpu_reset_drift_is_reapplied_within_two_cycles(tmp_path, mount_sim):
         rec = wait_until(lambda: [r for r in read_audit(audit)[n:] if r["action"] == "verified"], 30, "re-apply")
         assert rec[0]["gpu"] == "xtx-a" and rec[0]["why"].startswith("drift: sclk_max_mhz 2000→2500")
         first_write = next(r for r in read_audit(audit)[n:] if r["action"] == "write")
-        # detected and re-applied within two poll cycles (plus the apply itself, and a
-        # second of slack for a small shared CI box, where one such run took 1.19 s)
-        assert first_write["time"] - t_reset <= 2 * INTERVAL + 1.5
+        # detected and re-applied within two poll cycles (plus the apply itself, and slack
+        # for a small shared 2-core box, where such runs took 1.19 and 1.49 s)
+        assert first_write["time"] - t_reset <= 2 * INTERVAL + 2.5
         assert m.host.gpu("0000:aa:00.0").od.active["sclk_max"] == 2000
     finally:
         d.stop()
