@@ -224,10 +224,11 @@ class ProfileRuntime:
             self.reconcile()
             if self.cfg.apply.effective_check:
                 on_card = {g.name: p for g in snap.gpus if (p := self.in_effect(g))}
-                observed, findings = effective_findings(snap.gpus, on_card, self.cfg.apply.effective_busy_ratio,
-                                                        self.cfg.apply.effective_tolerance_ratio)
+                observed, findings, compared = effective_findings(
+                    snap.gpus, on_card, self.cfg.apply.effective_busy_ratio, self.cfg.apply.effective_tolerance_ratio)
                 self.ledger.set_effective(
-                    {g: (on_card[g][0] if g in on_card else "", mhz) for g, mhz in observed.items()}, findings)
+                    {g: (on_card[g][0] if g in on_card else "", mhz) for g, mhz in observed.items()}, findings,
+                    compared)
                 # One event when a clock finding starts, one when it ends (issue 14).
                 for ev in self.clock_conditions.update({
                     (x.gpu, x.kind): Event(f"clock_{x.kind}", "warning", "profiles", x.message, gpu=x.gpu,
