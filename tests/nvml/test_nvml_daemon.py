@@ -177,3 +177,77 @@ def test_a_clock_held_below_its_lock_by_the_power_cap_is_not_drift():
     # idle at 345 MHz with nothing holding it: the lock is gone (a reset)
     assert drift(snap(345, ["gpu_idle"]), expected) == {"sclk_locked_mhz": ("1755-1755", 345)}
     assert drift(snap(1980, []), expected) == {"sclk_locked_mhz": ("1755-1755", 1980)}
+
+
+# -- NVML's event set in the daemon ------------------------------------------------------
+
+H200_BDF = "0000:00:06.0"  # the lent H200's address in the capture
+
+
+def test_an_nvml_xid_79_in_a_running_daemon_marks_the_gpu_lost_and_kills_its_engine(tmp_path, monkeypatch):
+    """The watcher is wired into `gpuguard run` (hw/nvml_events.start from the daemon's
+    kernel sources): the recorded H200 as the daemon's NVML source, its real event set,
+    and an Xid 79 raised while the daemon runs."""
+    import copy
+
+    from engines.engines_harness import SimEngine, alive
+    from gpuguard.hw import nvml_calls as C
+
+    from .test_nvml_events import registering_critical_types
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    cap = registering_critical_types(json.loads(CAPTURE.read_text()))
+    real = next(e for e in cap["events"] if "result" in e)
+    cap["events"] = cap["events"][:3]  # a few of the clock changes it delivered: not news
+    tl = NvmlTimeline(cap)
+    xid = copy.deepcopy(real)
+    xid["result"]["__struct__"].update(eventType=C.EVENT_XID, eventData=79)
+    (tmp_path / "sys").mkdir()
+    e = SimEngine("vllm")
+    try:
+        cfg = tmp_path / "gpuguard.yaml"
+        cfg.write_text(f"""
+sysfs_root: {tmp_path / 'sys'}
+state_dir: {tmp_path / 'state'}
+recorder: {{enabled: false}}
+listen: {{address: 127.0.0.1, port: 0}}
+kernel: {{kmsg_path: {tmp_path / 'no-kmsg'}, udev: false}}
+poll: {{interval_seconds: 0.2, discover_seconds: 0.5, pcie_interval_seconds: 600}}
+gpus:
+  - {{name: h200, match: {{bdf: "{H200_BDF}"}}}}
+engines:
+  - {{name: vllm-h200, kind: vllm, url: "{e.url}", process: {{pid_file: null, cmdline: 'gpuguard.sim.engines --kind vllm --port {e.port}'}}, gpus: [h200], stall_after: 600, poll_interval: 0.25, http_timeout: 0.5, grace: 1, action: alert}}
+""")
+        config = load_config(cfg)
+        events: list = []
+        tree = e.tree()
+
+        async def main():
+            d = Daemon(config, sources=[NvmlSource(tl)])
+            d.hub.on_event(events.append)
+            task = asyncio.create_task(d.run())
+            try:
+                await until(task, lambda: any(t.get_name() == "nvml-events" for t in d.tasks), "the NVML watcher")
+                await until(task, lambda: tl._event_pos >= 3, "the recorded events taken")
+                await until(task, lambda: (s := d.engines.snapshots().get("vllm-h200")) and s.state in ("ready", "idle"),
+                            "the engine watched")
+                assert not d.gpus.is_lost(H200_BDF) and not [x for x in events if x.kind == "nvidia_xid"]
+                tl.deliver(xid)  # the card falls off the bus
+                await until(task, lambda: d.gpus.is_lost(H200_BDF), "the H200 lost")
+                await until(task, lambda: not any(alive(p) for p in tree), "the engine on it killed", timeout=15)
+                kinds = [(x.kind, x.source) for x in events if x.gpu == "h200"]
+                assert ("nvidia_xid", "nvml") in kinds and ("device_lost", "nvml") in kinds, kinds
+                x = next(x for x in events if x.kind == "nvidia_xid")
+                assert x.severity == "critical" and x.fields["xid"] == 79
+                assert d.kernel_router.counts[("h200", "nvidia_xid")] == 1
+                assert not d.gpus.may_write(H200_BDF)  # nothing writes to it until it reappears
+            finally:
+                d.request_stop()
+                await asyncio.wait_for(task, 30)
+
+        asyncio.run(main())
+        audit = [json.loads(ln) for ln in (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
+        kill = [a for a in audit if a["what"] == "engine.kill" and a["target"] == "vllm-h200"]
+        assert kill and kill[0]["who"] == "policy" and "device_lost" in json.dumps(kill[0]), kill
+    finally:
+        e.stop()
