@@ -110,6 +110,15 @@ def test_kernel_hang_on_a_gpu_kills_its_engine_at_once(sim, start_daemon, engine
     assert all(alive(p) for p in r_tree)  # the engine on the other GPU is untouched
     events = httpx.get(f"{d.base}/v1/events", timeout=5).json()
     assert any(e["kind"] == "engine_killed" and e["engine"] == "llama-xtx" for e in events)
+    # issue 22: a kill without a stall episode leaves its evidence too: one bundle, for
+    # the killed engine only, whose decision names the kernel line that caused it
+    bundles = wait_for(lambda: [b for b in httpx.get(f"{d.base}/v1/incidents", timeout=5).json() if b.get("complete")],
+                       timeout=30, what="a complete incident bundle for the kernel kill")
+    assert [b["engine"] for b in bundles] == ["llama-xtx"], bundles
+    decision = json.loads(open(os.path.join(bundles[0]["path"], "decision.json")).read())
+    assert decision["reason"] == "gpu_hang" and decision["evidence"]["gpu"] == "xtx-0", decision
+    procs = json.loads(open(os.path.join(bundles[0]["path"], "processes.json")).read())
+    assert {p["pid"] for p in procs} == set(xtx_tree)
 
 
 def test_sighup_applies_engines_changes(sim, start_daemon, engines, wait_for):
