@@ -134,3 +134,48 @@ def test_sighup_applies_engines_changes(sim, start_daemon, engines, wait_for):
     wait_for(lambda: d.value("gpuguard_engine_up", engine="llama-b") == 1, timeout=20, what="llama-b watched after SIGHUP")
     assert d.value("gpuguard_engine_up", engine="vllm-a") is None
     assert "reload: engines {'added': ['llama-b'], 'removed': ['vllm-a'], 'changed': []}" in d.log.read_text()
+
+
+def test_a_pause_records_the_gpu_busy_and_power_it_happened_at(sim, start_daemon, engines, wait_for, tmp_path):
+    """Issue 22: a freeze that clears by itself is a pause, recorded with what its GPU was
+    doing meanwhile (a pause at 100 % busy is the GPU grinding, at 0 % the host stalling)."""
+    import signal
+    import sqlite3
+
+    e = engines("llamacpp")
+    d = start_daemon(sim.mount, NAMES + "engines:\n" + engine_yaml("llama-xtx", e, "xtx-0", stall_after=1, kill_after=60))
+    sim.ctl("set_load", bdf="0000:aa:00.0", level=1.0)  # full load: the simulated card reads busy 100 % exactly
+    sim.ctl("set_load", bdf="0000:05:00.0", level=0.0)  # another card idle, to tell the two draws apart
+    for _ in range(3):  # this sim steps only when told to: let the power average settle
+        sim.ctl("step", dt=2.0)
+    e.control("requests", count=1, max_tokens=100000)
+    wait_for(lambda: (d.value("gpuguard_engine_tokens_per_second", engine="llama-xtx") or 0) > 0, what="decoding")
+    wait_for(lambda: d.value("gpuguard_gpu_busy_ratio", gpu="xtx-0") == 1.0, what="xtx-0 at full load")
+    os.kill(e.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: [x for x in httpx.get(f"{d.base}/v1/events", timeout=5).json() if x["kind"] == "engine_stalled"],
+                 timeout=20, what="the stall declared")
+    finally:
+        os.kill(e.pid, signal.SIGCONT)  # it clears by itself, long before kill_after
+    (pause_ev,) = wait_for(lambda: [x for x in httpx.get(f"{d.base}/v1/events", timeout=5).json()
+                                    if x["kind"] == "engine_pause"], timeout=20, what="the pause recorded")
+    pause = pause_ev["fields"]["pause"]
+    assert pause["running"] == 1 and pause["worst_state"] == "stalled" and pause["seconds"] >= 1
+    gpu = pause["gpus"]["xtx-0"]
+    assert gpu["busy_ratio_mean"] == 1.0, pause
+    # the power is the mean of what the daemon read during the pause (the flight recorder
+    # holds the same readings)
+    start, end = pause["start"], pause["start"] + pause["seconds"]
+    db = str(tmp_path / "state" / "flight.sqlite")
+
+    def readings():
+        with sqlite3.connect(db) as c:
+            return [r[0] for r in c.execute("SELECT power_w FROM samples WHERE gpu='xtx-0' AND t BETWEEN ? AND ? "
+                                            "AND power_w IS NOT NULL", (start, end))]
+
+    watts = wait_for(lambda: len(readings()) >= 2 and readings(), what="the pause's power in the recorder")
+    assert min(watts) - 1 <= gpu["power_watts_mean"] <= max(watts) + 1, (gpu, watts)
+    idle = d.value("gpuguard_gpu_power_watts", gpu="r9700-a")
+    assert gpu["power_watts_mean"] > idle + 50, (gpu, idle)  # a loaded card's draw, not an idle one's
+    assert alive(e.pid) and not [x for x in httpx.get(f"{d.base}/v1/events", timeout=5).json()
+                                 if x["kind"] == "engine_killed"]
