@@ -179,3 +179,18 @@ def test_a_pause_records_the_gpu_busy_and_power_it_happened_at(sim, start_daemon
     assert gpu["power_watts_mean"] > idle + 50, (gpu, idle)  # a loaded card's draw, not an idle one's
     assert alive(e.pid) and not [x for x in httpx.get(f"{d.base}/v1/events", timeout=5).json()
                                  if x["kind"] == "engine_killed"]
+
+
+def test_sighup_cannot_add_the_first_engine_to_a_daemon_started_with_none(sim, start_daemon, engines, wait_for):
+    """The README's one exception to live engine reloads: no watchdog runs without engines,
+    so the first one waits for a restart, and the reload says so instead of pretending."""
+    import signal
+
+    a = engines("vllm")
+    d = start_daemon(sim.mount, NAMES + "engines: []\n")
+    d.config.write_text(d.config.read_text().replace("engines: []\n", "engines:\n" + engine_yaml("vllm-a", a, "xtx-0")))
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "needs restart (kept as running): engines" in d.log.read_text(), timeout=20,
+             what="the reload naming engines as needing a restart")
+    assert d.value("gpuguard_engine_up", engine="vllm-a") is None
+    assert httpx.get(f"{d.base}/v1/config", timeout=5).json()["engines"] == []
