@@ -194,3 +194,33 @@ def test_sighup_cannot_add_the_first_engine_to_a_daemon_started_with_none(sim, s
              what="the reload naming engines as needing a restart")
     assert d.value("gpuguard_engine_up", engine="vllm-a") is None
     assert httpx.get(f"{d.base}/v1/config", timeout=5).json()["engines"] == []
+
+
+def test_status_names_the_processes_holding_each_gpu(tmp_path, start_daemon, engines, wait_for):
+    """Issue 13: `status` (API and CLI) says which processes hold each GPU and for which
+    engine, from the watchdog's fdinfo attribution. A plain tree of the simulated host: the
+    simulated engine's GPU process serves its fdinfo under the host's /proc, as amdgpu does."""
+    import subprocess
+    import sys
+
+    from gpuguard.sim.runner import build_scenario
+    from gpuguard.sim.tree import write_tree
+
+    root = tmp_path / "host"
+    write_tree(build_scenario("incident"), str(root))
+    e = engines("vllm", "--drm-root", str(root / "proc"), "--gpu-bdf", "0000:aa:00.0", "--vram-mib", "512")
+    core = wait_for(lambda: len(e.tree()) == 2 and e.tree()[1], what="the EngineCore")
+    d = start_daemon(root, NAMES + "engines:\n" + engine_yaml("vllm-a", e, "xtx-0"))
+
+    def held():
+        doc = httpx.get(f"{d.base}/v1/status", timeout=5).json()
+        return [p for p in doc.get("gpu_processes", {}).get("processes", []) if p["pid"] == core]
+
+    (hold,) = wait_for(held, timeout=20, what="the EngineCore's hold in /v1/status")
+    assert hold == {"gpu": "xtx-0", "bdf": "0000:aa:00.0", "pid": core, "comm": "VLLM::EngineCor", "engine": "vllm-a",
+                    "vram_bytes": 512 * 2**20, "source": "fdinfo"}
+    r = subprocess.run([sys.executable, "-m", "gpuguard", "status", "--api", d.base], capture_output=True, text=True,
+                       timeout=60)
+    assert "GPU processes:" in r.stdout, r.stdout + r.stderr
+    (line,) = [l for l in r.stdout.splitlines() if f"pid {core} " in l]
+    assert line.split() == ["xtx-0", "pid", str(core), "VLLM::EngineCor", "engine", "vllm-a", "512", "MiB"], line
