@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+from html import unescape
 from pathlib import Path
 
 import httpx
@@ -120,9 +122,11 @@ def test_incident_report_shows_the_frozen_process_the_evidence_and_the_readings(
     assert stalled_demo["kernel_line"].split(": ", 1)[-1] in html or "blocked for more than 120 seconds" in html
     # Python stacks, where py-spy could take them
     spy = folder / f"py-spy-{pid}.txt"
-    if spy.exists():
-        first = next(l for l in spy.read_text().splitlines() if l.strip())
-        assert "py-spy dump" in html and first.strip()[:40] in html.replace("&quot;", '"').replace("&#x27;", "'")
+    if shutil.which("py-spy"):  # the test extra installs it: CI always has it
+        text = spy.read_text()
+        assert "Thread" in text and "exited" not in text, text  # read without suspending the frozen process
+        shown = re.search(r'<pre class="pyspy">(.*?)</pre>', section, re.S).group(1)
+        assert unescape(shown) == text
 
     # every plotted point is a reading of the bundle
     series = plotted(svg_of(html))
