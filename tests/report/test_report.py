@@ -224,3 +224,40 @@ def test_total_power_sums_each_poll_when_every_gpu_is_read_at_its_own_instant():
     assert len(ts) == 20
     assert list(totals[:10]) == [350 + 3 * i for i in range(10)]
     assert list(totals[10:]) == [300 + 2 * i for i in range(10, 20)]  # the lost GPU adds nothing
+
+
+def test_report_at_a_moment_given_as_iso_time(recorders, tmp_path):
+    """`--at TIME` from the command line: the owner of §1 knows when the host froze (an ISO
+    time from the journal), not an event id. The report centres on that moment, plots the
+    recorder's rows of exactly its window and names the event happening there."""
+    from datetime import datetime, timezone
+
+    r1, _, other = recorders
+    db = str(other / "s1.sqlite")
+    with sqlite3.connect(db) as c:
+        lost_t, = c.execute("SELECT t FROM events WHERE kind='device_lost' AND gpu='xtx-0' ORDER BY t LIMIT 1").fetchone()
+    at = lost_t + 0.4  # "about then", as read off a clock
+    iso = datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    out = tmp_path / "at.html"
+    res = gpuguard("report", "--db", db, "--at", iso, "--before", "40s", "--after", "10s", "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "device_lost" in res.stdout, res.stdout  # the most severe event within a second of the moment
+    html = out.read_text()
+    # both XTX fell off the bus within the second (§1): either loss names the moment, and
+    # the report is centred on the time asked, not moved to the event's
+    clock = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) + f".{int(at * 10) % 10}"
+    assert re.search(rf'<h1 id="headline">device_lost xtx-[01] — {re.escape(clock)}</h1>', html), html[:2000]
+    series = plotted(svg_of(html))
+    check_series(series["xtx-0 power|xtx-0 power_w"], rows(db, "power_w", "xtx-0", at - 40, at + 10), tol_v=0.5)
+    assert (tmp_path / "at.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # a quiet moment long before: a report "at" it, with no event to name
+    quiet = gpuguard("report", "--db", db, "--at", str(lost_t - 100), "--before", "20s", "--after", "5s",
+                     "-o", str(tmp_path / "quiet.html"))
+    assert quiet.returncode == 0, quiet.stderr
+    assert '<h1 id="headline">moment — ' in (tmp_path / "quiet.html").read_text()
+
+    bad = gpuguard("report", "--db", db, "--at", "yesterday-ish", "-o", str(tmp_path / "bad.html"))
+    assert bad.returncode == 2 and "'yesterday-ish' is not a time" in bad.stderr and "Traceback" not in bad.stderr
+    both = gpuguard("report", "--db", db, "--at", iso, "--event", "1")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -3,9 +3,11 @@ CLI process against a real socket served by SimRunner (the control channel the d
 serves too, here without the demo's extras, so GPUs are named by PCI address)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -77,3 +79,108 @@ def test_errors_name_what_to_do(served, tmp_path):
     res = sim(tmp_path / "absent.sock", "status")
     assert res.returncode == 1 and "is `gpuguard demo` running?" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def itl(engine: str) -> tuple[float, float]:
+    """(sum, count) of the engine's vllm:inter_token_latency_seconds, as Prometheus reads it."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{engine}/metrics", timeout=5).text
+    fam = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:inter_token_latency_seconds")
+    value = {s.name.rsplit("_", 1)[1]: s.value for s in fam.samples if s.name.endswith(("_sum", "_count"))}
+    return value["sum"], value["count"]
+
+
+def test_demo_engine_listens_on_engine_port_and_is_driven_slow_die_and_hang(tmp_path, wait_for):
+    """`gpuguard demo --engine-port P`: the simulated vLLM answers on P (and the watchdog
+    watches it there); `gpuguard sim engine slow|die|hang` changes what that engine does,
+    seen from outside as a user would: the inter-token latency Prometheus would scrape, the
+    process behind the port, the watchdog's events and its verdict."""
+    import httpx
+
+    port, engine_port = free_port(), free_port()
+    sock = tmp_path / "sim.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuguard", "demo", "--tree", "--port", str(port), "--engine-port", str(engine_port),
+         "--control", str(sock), "--dir", str(tmp_path / "host")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    api, engine = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{engine_port}"
+
+    def events(kind: str, after: float = 0.0) -> list[dict]:
+        return [e for e in httpx.get(f"{api}/v1/events", timeout=5).json() if e["kind"] == kind and e["time"] > after]
+
+    def watched() -> dict:
+        return next(e for e in httpx.get(f"{api}/v1/engines", timeout=5).json() if e["name"] == "vllm-demo")
+
+    try:
+        banner = []
+        for line in proc.stdout:
+            banner.append(line)
+            if "Ctrl-C stops it" in line:
+                break
+        assert f"curl -X POST {engine}/sim/stall" in "".join(banner), "".join(banner)
+        info = json.loads(sim(sock, "--json", "status").stdout or "{}")  # the control socket answers
+        assert info["gpus"], info
+        # the engine on the asked port, and the watchdog watching it there
+        wait_for(lambda: httpx.get(f"{engine}/health", timeout=2).status_code == 200, timeout=60, what="engine on --engine-port")
+        wait_for(lambda: events("engine_ready"), timeout=90, what="the watchdog sees the engine ready", interval=0.5)
+        assert watched()["url"] == engine
+        first_pid = watched()["pid"]
+
+        # slow: every decode step now takes 0.5 s (the CLI's default), so each new token's
+        # latency is 0.5 s. The command reaches the EngineCore through its pipe after the CLI
+        # returns: wait until the tokens between two scrapes are all slow ones.
+        before = wait_for(lambda: (lambda v: v if v[1] > 0 else None)(itl(engine)), timeout=60, what="tokens generated")
+        assert before[0] / before[1] < 0.05  # the demo's 10 ms steps
+        res = sim(sock, "engine", "slow")
+        assert res.returncode == 0 and res.stdout.strip() == "ok: engine slow", res
+        last = [itl(engine)]
+
+        def slow_tokens() -> float | None:
+            now, prev = itl(engine), last[0]
+            last[0] = now
+            return (now[0] - prev[0]) / (now[1] - prev[1]) if now[1] > prev[1] else None
+
+        wait_for(lambda: (slow_tokens() or 0) > 0.45, timeout=90, what="tokens at the slowed step time", interval=0.5)
+        res = sim(sock, "engine", "slow", "--step-time", "0.01")  # back to speed for what follows
+        assert res.returncode == 0, res.stderr
+
+        # die: the EngineCore exits and its API server follows; the Restart= stand-in brings a new one
+        died_at = time.time()
+        res = sim(sock, "engine", "die")
+        assert res.returncode == 0 and res.stdout.strip() == "ok: engine die", res
+        down = wait_for(lambda: events("engine_down", died_at), timeout=60, what="the watchdog sees no process",
+                        interval=0.5)
+        assert "no process" in down[0]["message"]
+        started = wait_for(lambda: events("engine_started", died_at), timeout=90, what="the restarted engine",
+                           interval=0.5)
+        assert started[0]["fields"]["pid"] != first_pid
+        wait_for(lambda: events("engine_ready", died_at), timeout=90, what="the new engine ready", interval=0.5)
+        assert httpx.get(f"{engine}/health", timeout=5).status_code == 200  # on the same port again
+
+        # hang: connections are accepted and never answered; the watchdog calls it unresponsive
+        res = sim(sock, "engine", "hang")
+        assert res.returncode == 0, res.stderr
+        with pytest.raises(httpx.TimeoutException):
+            httpx.get(f"{engine}/health", timeout=2)
+        wait_for(lambda: watched()["state"] in ("unresponsive", "unhealthy", "stalled"), timeout=60,
+                 what="the watchdog's verdict on the hung engine", interval=0.5)
+        # and the CLI says so when the engine cannot take a command
+        res = sim(sock, "engine", "unstall")
+        assert res.returncode == 1 and "did not answer" in res.stderr and "Traceback" not in res.stderr
+    finally:
+        proc.send_signal(2)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()

@@ -106,3 +106,28 @@ def test_page_history_and_reports_follow_the_read_api_rules(tmp_path):
     assert c.get("/page/page.js", headers=ok).headers["content-type"].startswith("text/javascript")
     assert c.get("/v1/history", headers=ok).status_code == 200
     rec.close()
+
+
+def test_page_assets_are_named_by_content_so_a_reload_fetches_neither(tmp_path):
+    """index.html names page.js/page.css with their content hash: that URL may be kept for
+    good (a reload on a loaded host skips two requests); any other URL is revalidated, so
+    a browser never runs a stale page.js against a newer daemon."""
+    import hashlib
+    import re
+    from importlib import resources
+
+    rec = FlightRecorder(str(tmp_path / "f.sqlite"))
+    hub = Hub()
+    app = build_app(hub, MetricsSink(hub))
+    mount_page(app, lambda: rec)
+    c = TestClient(app)
+    html = c.get("/").text
+    for name in ("page.js", "page.css"):
+        body = resources.files("gpuguard.sinks").joinpath("page", name).read_bytes()
+        url = re.search(rf'"(/page/{re.escape(name)}\?v=[0-9a-f]+)"', html).group(1)
+        assert url.endswith("v=" + hashlib.sha256(body).hexdigest()[:16])
+        kept = c.get(url)
+        assert kept.content == body and "immutable" in kept.headers["cache-control"]
+        assert c.get(f"/page/{name}").headers["cache-control"] == "no-cache"
+        assert c.get(f"/page/{name}?v=0123456789abcdef").headers["cache-control"] == "no-cache"
+    rec.close()

@@ -18,7 +18,10 @@ changes state, and nothing is ever done from a GET.
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
+import operator
 import time
 from importlib import resources
 from typing import Callable
@@ -41,6 +44,20 @@ REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data
 
 def _asset(name: str) -> bytes:
     return resources.files("gpuguard.sinks").joinpath("page", name).read_bytes()
+
+
+def _version(name: str) -> str:
+    return hashlib.sha256(_asset(name)).hexdigest()[:16]
+
+
+def _index_html() -> bytes:
+    """index.html with its script and stylesheet named by content (`page.js?v=HASH`): the
+    browser keeps them and a reload fetches neither (on a loaded host each request is a
+    wait for a core), while a new gpuguard's page is a new URL, never a stale copy."""
+    html = _asset("index.html")
+    for name in ("page.js", "page.css"):
+        html = html.replace(f'"/page/{name}"'.encode(), f'"/page/{name}?v={_version(name)}"'.encode())
+    return html
 
 
 # Bucket widths: fixed steps aligned to multiples of themselves, so a bucket that has
@@ -83,6 +100,14 @@ class BucketCache:
         return [rows[k] for k in sorted(rows) if lo_k <= k[1] <= hi_k]
 
 
+def _columns(rows: list[tuple]) -> list[tuple[str, list[list]]]:
+    """Rows sorted by (who, bucket) -> [(who, [column, ...])], each column a list."""
+    out: list[tuple[str, list[list]]] = []
+    for who, group in itertools.groupby(rows, key=operator.itemgetter(0)):
+        out.append((who, [list(c) for c in zip(*group)]))
+    return out
+
+
 def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str | None,
              cache: BucketCache | None = None) -> dict:
     """Series averaged per `step`-second bucket (SQLite does the work; the page gets at
@@ -95,33 +120,28 @@ def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str 
     if first is not None:
         start = max(start, first)
     step = next((s for s in STEPS if s >= (end - start) / max(points, 1)), STEPS[-1])
-    # `up` as a minimum: one lost sample in a bucket shows as down, not as 0.97
-    agg = ", ".join("min(up)" if k == "up" else f"avg({k})" for k in GPU_SERIES)
+    # `up` as a minimum: one lost sample in a bucket shows as down, not as 0.97. SQLite
+    # rounds (in C): the page polls every 2 s, and rounding 23 000 values in Python was
+    # most of the cost of an hour of 8 GPUs.
+    agg = ", ".join("min(up)" if k == "up" else f"round(avg({k}), 3)" for k in GPU_SERIES)
     where, args = "", ()
     if gpu:
         where, args = " AND (gpu = ? OR bdf = ?)", (gpu, gpu)
     bucket = f"CAST(t / {step!r} AS INTEGER)"
-    rows = cache.rows(flight, f"SELECT gpu, {bucket} AS k, max(bdf), max(t), {agg} FROM samples "
+    rows = cache.rows(flight, f"SELECT gpu, {bucket} AS k, max(bdf), round(max(t), 3), {agg} FROM samples "
                               f"WHERE t >= ? AND t <= ?{where} GROUP BY gpu, k", ("samples", gpu, step), step, start, end, args)
     gpus: dict[str, dict] = {}
-    for r in rows:
-        g = gpus.setdefault(r[0], {"bdf": r[2], "t": [], **{k: [] for k in GPU_SERIES}})
-        g["t"].append(round(r[3], 3))
-        for k, v in zip(GPU_SERIES, r[4:]):
-            g[k].append(None if v is None else round(v, 3))
+    for name, cols in _columns(rows):
+        gpus[name] = {"bdf": cols[2][0], "t": cols[3], **dict(zip(GPU_SERIES, cols[4:]))}
     engines: dict[str, dict] = {}
     try:
-        eagg = ", ".join(f"avg({k})" for k in ENGINE_SERIES)
-        erows = cache.rows(flight, f"SELECT engine, {bucket} AS k, max(t), max(state), {eagg} FROM engine_samples "
+        eagg = ", ".join(f"round(avg({k}), 3)" for k in ENGINE_SERIES)
+        erows = cache.rows(flight, f"SELECT engine, {bucket} AS k, round(max(t), 3), max(state), {eagg} FROM engine_samples "
                                    "WHERE t >= ? AND t <= ? GROUP BY engine, k", ("engines", step), step, start, end)
     except HistoryError:
         erows = []  # a recorder file from before engine rows existed
-    for r in erows:
-        e = engines.setdefault(r[0], {"t": [], "state": [], **{k: [] for k in ENGINE_SERIES}})
-        e["t"].append(round(r[2], 3))
-        e["state"].append(r[3])
-        for k, v in zip(ENGINE_SERIES, r[4:]):
-            e[k].append(None if v is None else round(v, 3))
+    for name, cols in _columns(erows):
+        engines[name] = {"t": cols[2], "state": cols[3], **dict(zip(ENGINE_SERIES, cols[4:]))}
     events = flight.events(asked, end, gpu, limit=500)
     return {"start": start, "end": end, "step": step, "gpus": gpus, "engines": engines, "events": events}
 
@@ -140,14 +160,18 @@ def mount_page(app: FastAPI, recorder: Callable[[], FlightRecorder | None]) -> N
 
     @app.get("/", include_in_schema=False, dependencies=read)
     def index() -> Response:
-        return Response(_asset("index.html"), media_type="text/html; charset=utf-8",
+        return Response(_index_html(), media_type="text/html; charset=utf-8",
                         headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache"})
 
     @app.get("/page/{name}", include_in_schema=False, dependencies=read)
-    def asset(name: str) -> Response:
+    def asset(name: str, v: str | None = None) -> Response:
         if name not in ASSETS:
             raise HTTPException(404, detail=f"no page asset named {name!r}")
-        return Response(_asset(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
+        body = _asset(name)
+        # the URL index.html names carries the content's hash: that copy never changes
+        fixed = v is not None and v == hashlib.sha256(body).hexdigest()[:16]
+        return Response(body, media_type=ASSETS[name],
+                        headers={"Cache-Control": "max-age=31536000, immutable" if fixed else "no-cache"})
 
     @app.get("/v1/history", dependencies=read)
     def history(

@@ -27,7 +27,10 @@ function svg(tag, attrs) {
   return e;
 }
 function fmt(v, digits) { return v == null ? "–" : Number(v).toFixed(digits || 0); }
-function clock(t) { return new Date(t * 1000).toLocaleTimeString([], { hour12: false }); }
+// One formatter for every label: toLocaleTimeString builds a new one per call, and 40
+// charts' axis labels made that most of the page's script time.
+const CLOCK = new Intl.DateTimeFormat([], { hour: "2-digit", minute: "2-digit", second: "2-digit", hourCycle: "h23" });
+function clock(t) { return CLOCK.format(new Date(t * 1000)); }
 function setStatus(msg, bad) { const s = $("status"); s.textContent = msg; s.classList.toggle("bad", !!bad); }
 
 async function getJSON(path) {
@@ -52,6 +55,10 @@ function niceTicks(lo, hi, n) {
 }
 
 // series: [{label, colour, t, v, dashed}]; limits: [{label, value, colour}]
+// Written as one string of markup and parsed once: 40 charts of ~30 elements each built
+// attribute by attribute through the DOM were most of the page's script time at load.
+const ESC = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" };
+function esc(v) { return String(v).replace(/[&<>"]/g, c => ESC[c]); }
 function chart(title, unit, series, limits, t0, t1) {
   const W = 360, H = 150, L = 42, R = 8, T = 18, B = 20;
   const vals = [];
@@ -63,51 +70,52 @@ function chart(title, unit, series, limits, t0, t1) {
   hi = Math.max(hi, yt[yt.length - 1]);
   const x = t => L + (t - t0) / ((t1 - t0) || 1) * (W - L - R);
   const y = v => H - B - (v - lo) / ((hi - lo) || 1) * (H - T - B);
-  const root = svg("svg", { class: "chart", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": title,
-                            "data-title": title });
-  root.append(svg("rect", { x: L, y: T, width: W - L - R, height: H - T - B, fill: "#fcfcfc", stroke: "#ddd" }));
-  const tt = svg("text", { x: 4, y: 12, class: "title" }); tt.textContent = `${title} (${unit})`; root.append(tt);
+  const out = [`<svg xmlns="${SVGNS}" class="chart" viewBox="0 0 ${W} ${H}" role="img" aria-label="${esc(title)}" data-title="${esc(title)}">`,
+    `<rect x="${L}" y="${T}" width="${W - L - R}" height="${H - T - B}" fill="#fcfcfc" stroke="#ddd"/>`,
+    `<text x="4" y="12" class="title">${esc(`${title} (${unit})`)}</text>`];
   let lx = 14 + 6.5 * (title.length + unit.length + 3);
+  // each grid is one path, not a line per tick
+  let grid = "";
   for (const v of yt) {
-    root.append(svg("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), stroke: "#eee" }));
-    const t = svg("text", { x: L - 3, y: y(v) + 3, "text-anchor": "end", class: "ylabel" });
-    t.textContent = Math.abs(v) >= 1e4 ? v.toExponential(1) : String(+v.toFixed(2)); root.append(t);
+    grid += `M${L},${y(v).toFixed(1)}H${W - R}`;
+    out.push(`<text x="${L - 3}" y="${y(v) + 3}" text-anchor="end" class="ylabel">${Math.abs(v) >= 1e4 ? v.toExponential(1) : String(+v.toFixed(2))}</text>`);
   }
+  out.push(`<path d="${grid}" stroke="#eee" fill="none" class="grid"/>`);
   const span = t1 - t0;
   const step = [10, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200].find(s => span / s <= 5) || 21600;
+  grid = "";
   for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) {
-    root.append(svg("line", { x1: x(t), x2: x(t), y1: T, y2: H - B, stroke: "#f0f0f0" }));
+    grid += `M${x(t).toFixed(1)},${T}V${H - B}`;
     const edge = x(t) > W - R - 24 ? "end" : x(t) < L + 24 ? "start" : "middle";
-    const lab = svg("text", { x: x(t), y: H - 6, "text-anchor": edge, class: "xlabel" });
-    lab.textContent = clock(t).slice(0, step >= 60 ? 5 : 8); root.append(lab);
+    out.push(`<text x="${x(t)}" y="${H - 6}" text-anchor="${edge}" class="xlabel">${esc(clock(t).slice(0, step >= 60 ? 5 : 8))}</text>`);
   }
+  out.push(`<path d="${grid}" stroke="#f0f0f0" fill="none" class="grid"/>`);
   let lxEnd = W - R - 2;
   for (const l of limits || []) {
     if (l.value == null) continue;
-    root.append(svg("line", { x1: L, x2: W - R, y1: y(l.value), y2: y(l.value), stroke: l.colour || "#b00020",
-                              "stroke-dasharray": "4,3", class: "limit", "data-label": l.label }));
+    const colour = esc(l.colour || "#b00020");
+    out.push(`<line x1="${L}" x2="${W - R}" y1="${y(l.value)}" y2="${y(l.value)}" stroke="${colour}" stroke-dasharray="4,3" class="limit" data-label="${esc(l.label)}"/>`);
     // limits often sit together (edge and junction crit): their labels side by side, not on top
-    const t = svg("text", { x: lxEnd, y: y(l.value) + 10, "text-anchor": "end", fill: l.colour || "#b00020" });
-    t.textContent = l.label;
+    out.push(`<text x="${lxEnd}" y="${y(l.value) + 10}" text-anchor="end" fill="${colour}">${esc(l.label)}</text>`);
     lxEnd -= 6 * l.label.length + 8;
-    root.append(t);
   }
   for (const s of series) {
-    let d = "", pen = false;
+    let d = "", pen = false, n = 0;
     for (let i = 0; i < s.t.length; i++) {
       const v = s.v[i];
+      if (v != null) n++;
       if (v == null || s.t[i] < t0) { pen = false; continue; }
       d += (pen ? "L" : "M") + x(s.t[i]).toFixed(1) + "," + y(v).toFixed(1);
       pen = true;
     }
-    const p = svg("path", { d, fill: "none", stroke: s.colour, "stroke-width": 1.5, class: "series",
-                           "data-label": s.label, "data-points": String(s.v.filter(v => v != null).length) });
-    if (s.dashed) p.setAttribute("stroke-dasharray", "5,3");
-    root.append(p);
-    const lg = svg("text", { x: lx, y: 12, fill: s.colour }); lg.textContent = "— " + s.label; root.append(lg);
+    out.push(`<path d="${d}" fill="none" stroke="${esc(s.colour)}" stroke-width="1.5" class="series" data-label="${esc(s.label)}" data-points="${n}"${s.dashed ? ' stroke-dasharray="5,3"' : ""}/>`,
+             `<text x="${lx}" y="12" fill="${esc(s.colour)}">${esc("— " + s.label)}</text>`);
     lx += 18 + 6 * s.label.length;
   }
-  return root;
+  out.push("</svg>");
+  const tpl = document.createElement("template");
+  tpl.innerHTML = out.join("");
+  return tpl.content.firstChild;
 }
 
 // ---- data ---------------------------------------------------------------------------
