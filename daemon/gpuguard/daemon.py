@@ -335,6 +335,7 @@ class Daemon:
             self.notify.check_interval(cfg.poll.interval_seconds + cfg.poll.timeout_seconds)
             if self.recorder is not None:
                 self.recorder.keep_seconds = cfg.recorder.keep_seconds
+                self.recorder.max_bytes = cfg.recorder.max_bytes  # pruned to it at the next prune
             if "engines" in live and any(k.startswith("engines") for k in plan.live):
                 log.info("reload: engines %s", self.engines.reconfigure(cfg.engines))  # type: ignore[union-attr]
             self.gpus.configure(cfg.gpus, {e.name: tuple(e.gpus) for e in cfg.engines})
