@@ -59,7 +59,7 @@ class ProfileRuntime:
         a = cfg.apply
         self.applier = applier or Applier(
             root, audit=self.audit, kernel_reason=KmsgReasons(root), retries=a.retries, backoff=a.backoff_seconds,
-            sleep=self._sleep, may_write=gpus.may_write,
+            sleep=self._sleep, may_write=self._may_write,
         )
         self.guard = guard or SafeModeGuard(cfg.state_dir, root, a.safe_mode_window_seconds, a.safe_mode_after_crashes)
         self.calls = DeviceCalls("gpuguard-apply")
@@ -74,6 +74,11 @@ class ProfileRuntime:
 
     def _sleep(self, seconds: float) -> None:
         self._stop.wait(seconds)
+
+    def _may_write(self, bdf: str) -> bool:
+        # an apply abandoned by apply.timeout_seconds was reported unverified: when its
+        # stuck write returns at last, that attempt writes nothing more
+        return self.gpus.may_write(bdf) and not self.calls.abandoned()
 
     # -- configuration ----------------------------------------------------------------------
     def configure(self, cfg: ProfilesConfig) -> None:
