@@ -292,21 +292,4 @@ class ProfileRuntime:
             self.guard.record_clean_stop()
 
 
-def attach(daemon: Any) -> ProfileRuntime:
-    """Wire profiles into `daemon` (hooks, metrics, view, API provider). Returns the runtime."""
-    rt = ProfileRuntime(ProfilesConfig.from_root(daemon.config), daemon.hub.gpus, daemon.hub, daemon.root,
-                        discover=daemon.poller.discover)
-    rt.audit._log.health = getattr(daemon, "state_dir", None)  # /healthz, STATUS= (issue 12)
-    daemon.on_ready.append(rt.on_ready)
-    daemon.poller.on_cycle.append(rt.on_cycle)
-    daemon.metrics.add_producer(rt.ledger.metrics)
-    daemon.profiles = rt
-    actions = getattr(daemon, "actions", None)
-    if actions is not None:  # the control API's apply/reset/confirm-window providers
-        from gpuguard.profiles.api import ProfileActions
-
-        actions.provide_from(ProfileActions(rt))
-    return rt
-
-
-__all__ = ["ProfileRuntime", "attach", "Profile"]
+__all__ = ["ProfileRuntime", "Profile"]
