@@ -35,7 +35,8 @@ import threading
 from dataclasses import replace
 
 from .kmsg import KERN_ERR, KERN_INFO, KERN_WARNING
-from .topology import Card
+from .pcidev import AerCounters
+from .topology import Card, RootComplex, _Enumerator
 
 
 class FaultInjection:
@@ -172,9 +173,6 @@ class FaultInjection:
     def _move_board(self, g, slot: str) -> None:
         """Re-enumerate g's board (1478, 1479, GPU) below the empty port `slot`, the way
         pciehp does on a hot-add: buses from the port's reserved range, depth first."""
-        from .pcidev import AerCounters
-        from .topology import RootComplex, _Enumerator
-
         port = self.by_bdf.get(slot)
         if port is None or port.kind not in ("root_port", "switch_down") or port.virtual:
             raise ValueError(f"no slot port at {slot}: give an empty root port or switch downstream port")
