@@ -89,7 +89,6 @@ class ProfileRuntime:
         self.applier.retries = a.retries
         self.applier.backoff = a.backoff_seconds
         self.guard.window = a.safe_mode_window_seconds  # the heartbeat's "survived" line
-        self.guard.threshold = a.safe_mode_after_crashes  # config/reload.py keeps it as running
         # a profile whose values changed: the cards carrying it get it again
         for s in self.gpus.all():
             if s.profile and old.profiles.get(s.profile) != cfg.profiles.get(s.profile) and \
