@@ -139,7 +139,6 @@ class Daemon:
         self.tasks: list[asyncio.Task] = []
         self.on_ready: list[Callable[[], Any]] = []  # before READY=1 (profiles: apply + verify)
         self.on_serving: list[Callable[[], Any]] = []  # after READY=1 (the demo's banner)
-        self.profiles: Any = None  # set by profiles.attach
         # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
         self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
         # Thermal emergency / power at cap as events too, not only Prometheus alerts (issue 21).
@@ -180,13 +179,27 @@ class Daemon:
             self.kernel_actions.on_fatal.append(self._kill_engines_for_kernel)
             self.poller.on_cycle.insert(0, lambda snap: self._engine_notes())
         # Profiles: applied and verified before READY, re-applied on drift and late cards.
-        from gpuguard.profiles import attach
+        # Each component gets the narrow things it uses (DESIGN.md "One owner"), not the daemon.
+        from gpuguard.profiles.api import ProfileActions
+        from gpuguard.profiles.lifecycle import ProfileRuntime
+        from gpuguard.profiles.schema import ProfilesConfig
 
-        attach(self)
+        # NVIDIA cards are applied through NVML when the host has an NVML source
+        self.profiles = ProfileRuntime(ProfilesConfig.from_root(config), self.gpus, self.hub, self.root,
+                                       discover=self.poller.discover,
+                                       nvml=next((s for s in self.sources if getattr(s, "name", "") == "nvml"), None))
+        self.profiles.audit._log.health = self.state_dir  # /healthz, STATUS= (issue 12)
+        self.on_ready.append(self.profiles.on_ready)
+        self.poller.on_cycle.append(self.profiles.on_cycle)
+        self.metrics.add_producer(self.profiles.ledger.metrics)
+        self.actions.provide_from(ProfileActions(self.profiles))  # apply/reset/confirm-window routes
         # issue 17: fast power sampling and the PSU budget (INCIDENTS §2)
-        from gpuguard.policy.power_watch import attach as attach_power
+        from gpuguard.policy.power_watch import PowerWatch, poller_channels
 
-        self.power = attach_power(self)
+        self.power = PowerWatch(self.hub, config.power, poller_channels(self.poller, self.hub), recorder=self.recorder)
+        self.poller.on_cycle.append(self.power.on_cycle)
+        self.metrics.add_producer(self.power.metrics)
+        self.actions.provide(power=self.power.document)
 
     def _kernel_event(self, e) -> None:
         self.hub.publish(e)  # counted by the GPU state owner (router → hub.gpus.kernel_event)
@@ -234,7 +247,11 @@ class Daemon:
                 log.error("udev not watched: %s; late and vanished GPUs are still found by polling", e)
         from gpuguard.hw import nvml_events
 
-        nvml_events.start(self)  # NVML's Xid events into the same router (issue 18)
+        # NVML's Xid events into the same router (issue 18)
+        task = nvml_events.start(self.sources, self.kernel_router.handle_external,
+                                 lambda bdf: self.poller.names.get(bdf), self.stop_event)
+        if task is not None:
+            self.tasks.append(task)
 
     def _engine_audit(self, rec: dict) -> None:
         self.audit.record(
@@ -343,17 +360,16 @@ class Daemon:
             self.notify.check_interval(cfg.poll.interval_seconds + cfg.poll.timeout_seconds)
             if self.recorder is not None:
                 self.recorder.keep_seconds = cfg.recorder.keep_seconds
+                self.recorder.max_bytes = cfg.recorder.max_bytes  # pruned to it at the next prune
             if "engines" in live and any(k.startswith("engines") for k in plan.live):
                 log.info("reload: engines %s", self.engines.reconfigure(cfg.engines))  # type: ignore[union-attr]
             self.gpus.configure(cfg.gpus, {e.name: tuple(e.gpus) for e in cfg.engines})
             if any(k.startswith("kernel") for k in plan.live):
                 self._reload_kernel(cfg, plan)
             self.lifecycle.debounce_s = cfg.kernel.action_debounce_seconds
-            profiles = getattr(self, "profiles", None)
-            if profiles is not None:
-                from gpuguard.profiles.schema import ProfilesConfig
+            from gpuguard.profiles.schema import ProfilesConfig
 
-                profiles.configure(ProfilesConfig.from_root(cfg))
+            self.profiles.configure(ProfilesConfig.from_root(cfg))
             log.info(
                 "reload: config %s applied poll_interval=%gs tokens=%d webhooks=%d; changed: %s; live: %s; "
                 "needs restart (kept as running): %s",
@@ -499,8 +515,7 @@ class Daemon:
             if not start.done():
                 log.warning("stop requested while starting: start abandoned (no profile written after the signal)")
                 self.gpus.begin_stop()
-                if self.profiles is not None:
-                    self.profiles.begin_stop()
+                self.profiles.begin_stop()
                 start.cancel()
                 await asyncio.wait({start}, timeout=1.0)
                 return 0
@@ -528,8 +543,7 @@ class Daemon:
         abandoned with its name logged (a read stuck in a wedged card is a daemon thread)."""
         t0 = time.monotonic()
         self.gpus.begin_stop()  # no write from here on, whatever is still running
-        if self.profiles is not None:
-            self.profiles.begin_stop()
+        self.profiles.begin_stop()
         self.notify.stopping()
         self.app.state.confirm.close()
         for srv in (self.server, self.unix_server):
@@ -562,8 +576,7 @@ class Daemon:
         await bounded("gpu lifecycle", self.lifecycle.aclose(), 1.0)
         if self.recorder is not None:
             self.recorder.close()
-        if self.profiles is not None:
-            self.profiles.close()
+        self.profiles.close()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         self.state_dir.release()

@@ -104,6 +104,14 @@ def sim(tmp_path):
 
 
 @pytest.fixture
+def sim_spare_slot(tmp_path):
+    """The incident host with an empty hotplug slot (root port 0000:00:03.2)."""
+    s = SimProcess(tmp_path, "incident-spare-slot")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
 def start_daemon(tmp_path):
     procs = []
 

@@ -116,6 +116,85 @@ def test_a_gpu_that_leaves_the_bus_and_comes_back_goes_down_then_up_with_its_pro
     assert "Traceback" not in d.log.read_text()
 
 
+SPARE_SLOT, MOVED = "0000:00:03.2", "0000:42:00.0"  # scenario incident-spare-slot
+
+
+def engine_restarted_into(marker) -> str:
+    """`restart_command` that leaves a marker file: the restart ran, as a real process."""
+    code = f"open({str(marker)!r}, 'w').write('ok')"
+    return "restart_command: " + json.dumps([sys.executable, "-c", code])
+
+
+def test_a_card_matched_by_id_and_index_back_at_another_address_is_the_same_card_again(
+        sim_spare_slot, start_daemon, wait_for, tmp_path):
+    sim = sim_spare_slot
+    e = SimEngine("vllm")
+    marker = tmp_path / "restarted"
+    try:
+        engine = engine_yaml("on-xtx0", e, "xtx-0").replace("action: kill}", engine_restarted_into(marker) + "}")
+        d = start_daemon(sim.mount, BY_INDEX + engine)
+        wait_for(lambda: verified(tmp_path, "xtx-0"), timeout=30, what="xtx-0 verified at start")
+        tree = e.tree()
+        sim.ctl("lose_gpu", bdf=XTX[0])
+        sim.ctl("step", dt=0.5)  # the board leaves the bus
+        wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-0") == 0.0, timeout=20, what="xtx-0 down")
+        wait_for(lambda: not any(alive(p) for p in tree), timeout=20, what="the engine on xtx-0 killed")
+        n = len(verified(tmp_path, "xtx-0"))
+        # moved to the empty slot: new bridges, a new GPU address, the card's own identity
+        assert sim.ctl("return_gpu", bdf=XTX[0], slot=SPARE_SLOT) == MOVED
+        wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-0") == 1.0, timeout=20, what="xtx-0 up at its new address")
+        again = wait_for(lambda: verified(tmp_path, "xtx-0")[n:], timeout=30, what="xtx-0 re-applied and verified")
+        assert "back" in again[0]["why"], again[0]
+        # read back from the card at its new address: xtx-0's own profile, not xtx-1's
+        od = sim.ctl("read", path=f"/sys/bus/pci/devices/{MOVED}/pp_od_clk_voltage")
+        assert "1500Mhz" in od.split("OD_SCLK:")[1].split("OD_MCLK")[0], od
+        # the engine stays down (its restart command only leaves the marker): named beside 4/4
+        assert wait_for(lambda: status(d)["summary"].startswith("4/4 GPUs up; engines: on-xtx0"), timeout=10,
+                        what="4/4 in the summary")
+        states = {g["name"]: g for g in status(d)["gpu_states"]}
+        assert (states["xtx-0"]["bdf"], states["xtx-0"]["profile_state"]) == (MOVED, "verified"), states["xtx-0"]
+        assert XTX[0] not in {g["bdf"] for g in states.values()}  # the old address is history
+        events = __import__("httpx").get(f"{d.base}/v1/events").json()
+        back = [x for x in events if x["kind"] == "gpu_back"]
+        assert len(back) == 1 and back[0]["gpu"] == "xtx-0" and back[0]["bdf"] == MOVED, back
+        assert XTX[0] in back[0]["message"] and MOVED in back[0]["message"], back[0]["message"]
+        assert not [x for x in events if x["kind"] == "gpu_appeared"]  # it is the same card, back
+        wait_for(marker.exists, timeout=20, what="the engine on xtx-0 restarted after it came back")
+        assert d.value("gpuguard_gpu_up", gpu="xtx-1") == 1.0
+        assert "Traceback" not in d.log.read_text()
+    finally:
+        e.stop()
+
+
+def test_a_card_matched_by_address_does_not_follow_it_to_another_address(sim_spare_slot, start_daemon, wait_for, tmp_path):
+    """A PCI address is the user's word for "this slot": a card found elsewhere is another
+    card as far as the config knows; it is unnamed and never written, the slot's name stays
+    missing."""
+    sim = sim_spare_slot
+    d = start_daemon(sim.mount, BY_INDEX)
+    wait_for(lambda: verified(tmp_path, "r9700-a"), timeout=30, what="r9700-a verified at start")
+    sim.ctl("lose_gpu", bdf=R9700[0])
+    sim.ctl("step", dt=0.5)
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="r9700-a") == 0.0, timeout=20, what="r9700-a down")
+    assert sim.ctl("return_gpu", bdf=R9700[0], slot=SPARE_SLOT) == MOVED
+    stranger = f"card{MOVED}"
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu=stranger) == 1.0, timeout=20, what="the moved card seen, unnamed")
+    st = wait_for(lambda: (s := status(d)) and "missing r9700-a" in s["summary"] and s, timeout=20, what="missing")
+    # four cards on the bus (the stranger among them), the configured one gone
+    assert st["summary"] == "4/5 GPUs up; missing r9700-a (0000:05:00.0)", st["summary"]
+    g = next(g for g in st["gpu_states"] if g["bdf"] == MOVED)
+    assert (g["name"], g["named"], g["profile"]) == (stranger, False, None), g
+    # polls later nothing was written to it: the stock power cap (psu-safe is 210 W), no audit record
+    polled = d.value("gpuguard_last_poll_timestamp_seconds", source="gpu")
+    wait_for(lambda: d.value("gpuguard_last_poll_timestamp_seconds", source="gpu") > polled + 1.0, timeout=20,
+             what="polls for a second more")
+    assert sim.hwmon(MOVED, "power1_cap") == sim.hwmon(MOVED, "power1_cap_default") != "210000000\n"
+    assert not [r for r in read_audit(tmp_path / "state" / "audit.jsonl") if stranger in json.dumps(r) or MOVED in json.dumps(r)]
+    kinds = [x["kind"] for x in __import__("httpx").get(f"{d.base}/v1/events").json()]
+    assert "gpu_back" not in kinds and "gpu_appeared" in kinds
+    assert "Traceback" not in d.log.read_text()
+
+
 def engine_yaml(name: str, e: SimEngine, gpu: str) -> str:
     return (f"engines:\n  - {{name: {name}, kind: {e.kind}, url: \"{e.url}\", process: {{pid_file: null, cmdline: "
             f"'gpuguard.sim.engines --kind {e.kind} --port {e.port}'}}, gpus: [{gpu}], stall_after: 30, "

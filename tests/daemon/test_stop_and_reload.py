@@ -228,6 +228,46 @@ def test_sigterm_during_a_blocked_write_stops_within_the_bound_and_polling_went_
     assert writes_after(m, t_sig) == []
 
 
+def writes_done_to(m, bdf: str) -> list[tuple[str, str, int]]:
+    with m.fs._wlock:
+        return [w for w in m.fs.writes if f"/{bdf}/" in w[0]]
+
+
+def test_an_apply_abandoned_by_its_timeout_leaves_the_card_unverified_and_that_attempt_writes_no_more(
+        tmp_path, mount, run):
+    host = SimHost.incident()
+    host.block_writes(XTX_A, "pp_od_clk_voltage")  # the OD store() does not return for now
+    m = mount(host)
+    port = free_port()
+    cfg = config(tmp_path, m.mountpoint, port)
+    cfg.write_text(cfg.read_text().replace("retries: 3, timeout_seconds: 60}", "retries: 3, timeout_seconds: 2}"))
+    d = run(cfg, port)
+    # not a stop: the start goes on past the abandoned card, the others are applied, READY
+    poll_until(lambda: d.alive() and d.said("READY=1"), 60, "READY=1 after the abandoned apply")
+    status = httpx.get(f"{d.base}/v1/status", timeout=5).json()
+    states = {g["name"]: g["profile_state"] for g in status["gpu_states"]}
+    assert states == {"r9700-a": "verified", "r9700-b": "verified", "xtx-a": "unverified", "xtx-b": "verified"}, states
+    assert "profile unverified: xtx-a" in status["summary"], status["summary"]
+    events = httpx.get(f"{d.base}/v1/events", timeout=5).json()
+    why = [e["message"] for e in events if e.get("gpu") == "xtx-a" and "apply.timeout_seconds" in e["message"]]
+    assert why and "did not finish within 2 s" in why[0], [e["message"] for e in events if e.get("gpu") == "xtx-a"]
+    started = writes_to(m, XTX_A)
+    # runtime PM held on for the apply, then the OD write that blocks: nothing after it
+    assert [(w[1].rsplit("/", 1)[1], w[2]) for w in started] == [("control", "on\n"), ("pp_od_clk_voltage", "s 1 2000\n")]
+    # the poll loop goes on reading the card it abandoned
+    reads = m.fs.reads.get(f"{XTX_A}/pp_od_clk_voltage", 0)
+    poll_until(lambda: m.fs.reads.get(f"{XTX_A}/pp_od_clk_voltage", 0) >= reads + 3, 30, "polls after the timeout")
+    # the driver answers at last: the abandoned thread's write returns. That attempt was
+    # given up and reported; it must not go on staging and committing behind the report.
+    m.host.unblock(XTX_A)
+    poll_until(lambda: writes_done_to(m, XTX_A), 30, "the blocked write to return")
+    poll_until(lambda: "its apply was abandoned" in d.text() or len(writes_to(m, XTX_A)) > len(started), 30,
+               "the abandoned attempt's next step")
+    assert writes_to(m, XTX_A) == started, writes_to(m, XTX_A)
+    assert httpx.get(f"{d.base}/v1/status", timeout=5).json()["summary"].startswith("4/4 GPUs up")
+    assert "Traceback" not in d.text()
+
+
 def test_sigterm_during_a_retry_backoff_stops_without_writing_again(tmp_path, mount, run):
     host = SimHost.incident()
     host.ignore_first_write(XTX_A, "commit")  # read-back mismatch: retry after the backoff

@@ -161,3 +161,27 @@ def test_one_xid_from_both_sources_counts_once(rules):
     # a different Xid on the same card is news
     other = events_for(type("D", (), {"eventType": C.EVENT_XID, "eventData": 31})(), BDF, "h200")[0]
     assert router2.handle_external(other) is other
+
+
+def test_start_wires_an_nvml_source_into_the_router_it_is_given(rules):
+    """The daemon's wiring (`nvml_events.start`) gets the sources, the router's handler and
+    the name lookup, not the daemon: an Xid 79 from NVML marks the GPU lost."""
+    from gpuguard.hw import nvml_events
+
+    router = KernelEventRouter(rules, {BDF: "h200"}.get, Hooks(), states=h200_states())
+    tl = with_xid(79)
+
+    async def main():
+        stop = asyncio.Event()
+        assert nvml_events.start([], router.handle_external, lambda b: "h200", stop) is None  # no NVML source
+        assert nvml_events.start([NvmlSource(tl)], None, lambda b: "h200", stop) is None  # no kernel router
+        task = nvml_events.start([NvmlSource(tl)], router.handle_external, {BDF: "h200"}.get, stop)
+        assert task is not None and task.get_name() == "nvml-events"
+        deadline = time.monotonic() + 30
+        while not router.is_lost(BDF) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(main())
+    assert router.is_lost(BDF) and router.counts[("h200", "nvidia_xid")] == 1

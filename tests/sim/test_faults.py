@@ -67,6 +67,51 @@ def test_late_gpu_appears_with_all_links(incident):
     assert "Initialized amdgpu" in h.kernel_log.records[-1].text
 
 
+def test_a_lost_card_comes_back_in_another_slot_at_new_addresses_with_its_own_identity():
+    from gpuguard.sim.host import SimHost
+    from gpuguard.sim.topology import SPARE_SLOT
+
+    h = SimHost.incident(seed=7, spare_slot=True)
+    dev = h.device_path(XTX)
+    ident = {f: h.read(f"{dev}/{f}") for f in ("vendor", "device", "subsystem_vendor", "subsystem_device", "unique_id")}
+    h.write(f"{dev}/pp_od_clk_voltage", b"s 1 1500\n")
+    h.write(f"{dev}/pp_od_clk_voltage", b"c\n")
+    assert h.read(f"/sys/bus/pci/devices/{SPARE_SLOT}/secondary_bus_number") == b"64\n"
+    assert h.read(f"/sys/bus/pci/devices/{SPARE_SLOT}/subordinate_bus_number") == b"66\n"
+    with pytest.raises(ValueError, match="lose it first"):
+        h.return_gpu(XTX, slot=SPARE_SLOT)
+    h.lose_gpu(XTX)
+    h.step(0.5)
+    new = h.return_gpu(XTX, slot=SPARE_SLOT)
+    assert new == "0000:42:00.0" and new in h.gpus and XTX not in h.gpus
+    for gone in (XTX, "0000:a9:00.0", "0000:a8:00.0"):  # the old slot is empty
+        assert not h.exists(f"/sys/bus/pci/devices/{gone}")
+    assert h.exists("/sys/bus/pci/devices/0000:a7:00.0")
+    path = h.realpath(f"/sys/bus/pci/devices/{new}")
+    assert path == f"/sys/devices/pci0000:00/{SPARE_SLOT}/0000:40:00.0/0000:41:00.0/{new}"
+    assert {f: h.read(f"{path}/{f}") for f in ident} == ident  # the card's own identity files
+    assert h.realpath(f"{h.card_path(new)}/device") == path
+    assert "1500Mhz" not in h.read(f"{path}/pp_od_clk_voltage").decode().split("OD_MCLK")[0]  # stock
+    assert h.read(f"{path}/current_link_speed") == b"16.0 GT/s PCIe\n"
+    # the slot hop trains anew: the Gen3 root port, not the old slot's 5.0 GT/s (INCIDENTS §4)
+    assert h.read("/sys/bus/pci/devices/0000:40:00.0/current_link_speed") == b"8.0 GT/s PCIe\n"
+    texts = [r.text for r in h.kernel_log.records[-3:]]
+    assert texts[1].startswith(f"pci {new}: [1002:744c] type 00 class 0x030000")
+    assert texts[2].startswith(f"[drm] Initialized amdgpu") and new in texts[2]
+    assert h.gpus == ["0000:05:00.0", "0000:08:00.0", new, "0000:b0:00.0"]  # PCI order
+    with pytest.raises(ValueError, match="not empty"):
+        h.lose_gpu(new)
+        h.step(0.5)
+        h.return_gpu(new, slot=SPARE_SLOT)
+
+
+def test_a_slot_without_reserved_buses_refuses_a_hot_added_card(incident):
+    incident.lose_gpu(XTX)
+    incident.step(0.5)
+    with pytest.raises(ValueError, match="No bus number available"):
+        incident.return_gpu(XTX, slot="0000:00:01.0")
+
+
 def test_appear_now(incident):
     incident.add_late_gpu(R9700)
     incident.appear(R9700)

@@ -54,6 +54,27 @@ def test_lose_and_return_a_gpu(served, wait_for):
     assert "Initialized amdgpu" in list(host.kernel_log)[-1].text
 
 
+def test_return_a_lost_gpu_into_another_slot(tmp_path, wait_for):
+    host = build_scenario("incident-spare-slot")
+    sock = tmp_path / "sim.sock"
+    runner = SimRunner(host, interval=0.1, control_socket=str(sock)).start()
+    try:
+        xtx = "0000:aa:00.0"
+        assert sim(sock, "lose", xtx).returncode == 0
+        wait_for(lambda: xtx not in host.gpus, what="the card off the bus")
+        res = sim(sock, "--json", "return", xtx, "--slot", "0000:00:03.2")
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == '"0000:42:00.0"' and "0000:42:00.0" in host.gpus and xtx not in host.gpus
+        # a slot without buses reserved for hotplug: the kernel's refusal, no traceback
+        assert sim(sock, "lose", "0000:42:00.0").returncode == 0
+        wait_for(lambda: "0000:42:00.0" not in host.gpus, what="the moved card off the bus")
+        res = sim(sock, "return", "0000:42:00.0", "--slot", "0000:00:01.0")
+        assert res.returncode == 1 and "No bus number available" in res.stderr and "Traceback" not in res.stderr, \
+            res.stderr
+    finally:
+        runner.stop()
+
+
 def test_reset_wedge_and_load(served, wait_for):
     host, sock = served
     r9700 = "0000:05:00.0"

@@ -69,9 +69,20 @@ def test_back_at_another_address_is_reidentified_and_the_old_address_forgotten()
     hub, g = make()
     g.observe(devs())
     g.observe(devs(XTX[0]))
+    assert (XTX[0], "gpu_lost") in g.conditions
+    backs = []
+    g.on_back.append(lambda s, how: backs.append((s.name, s.bdf, how)))
     g.observe(devs(XTX[0], extra=("0000:a0:00.0",)))
     assert g.get("0000:a0:00.0").name == "xtx-0" and g.get("0000:a0:00.0").profile_state == "pending"
     assert XTX[0] not in g and g.summary() == "4/4 GPUs up"
+    # the same card back, not a new one: gpu_back at the new address, its loss no longer a condition,
+    # the back policy (engine restart) runs for it
+    back = [e for e in hub.events if e.kind == "gpu_back"]
+    assert len(back) == 1 and (back[0].gpu, back[0].bdf) == ("xtx-0", "0000:a0:00.0")
+    assert back[0].fields["previous_bdf"] == XTX[0] and "gpu_appeared" not in kinds(hub)
+    assert not [k for k in g.conditions if k[0] == XTX[0]]
+    assert backs == [("xtx-0", "0000:a0:00.0", f"bus (at 0000:a0:00.0, was {XTX[0]})")]
+    assert "back at another address" in g.get("0000:a0:00.0").pending_why
 
 
 def test_not_answering_past_the_limit_is_lost_and_answering_again_is_back():

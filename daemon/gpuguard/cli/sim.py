@@ -5,6 +5,7 @@
     gpuguard sim status                    what the simulated cards are doing
     gpuguard sim lose GPU                  `device lost from bus!`, then the card leaves the bus
     gpuguard sim return GPU                the lost card comes back (a cold power-cycle)
+    gpuguard sim return GPU --slot PORT    ... in the empty slot below PORT: at a new address
     gpuguard sim reset GPU                 a GPU reset: stock settings, kernel reset lines
     gpuguard sim wedge GPU FILE            reads of that sysfs file hang (unwedge GPU to release)
     gpuguard sim load GPU LEVEL|auto       pin the load (0..1), or back to the demo's pattern
@@ -35,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                            ("reset", "a GPU reset (stock settings)"), ("unwedge", "release wedged reads")):
         c = s.add_parser(name, help=helptext)
         c.add_argument("gpu")
+        if name == "return":
+            c.add_argument("--slot", default=None, metavar="PORT",
+                           help="the empty slot's port address (scenario incident-spare-slot: 0000:00:03.2): "
+                                "the card comes back there, at a new PCI address")
     c = s.add_parser("wedge", help="reads of one sysfs file of the GPU hang")
     c.add_argument("gpu")
     c.add_argument("file", help="file name under the card's device folder (gpu_busy_percent, power1_average, ...)")
@@ -97,7 +102,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         elif c == "lose":
             result = call("lose_gpu", bdf=bdf(args.gpu), err="ENODEV")
         elif c == "return":
-            result = call("return_gpu", bdf=bdf(args.gpu))
+            result = call("return_gpu", bdf=bdf(args.gpu), **({"slot": args.slot} if args.slot else {}))
         elif c == "reset":
             result = call("reset_gpu", bdf=bdf(args.gpu))
         elif c == "wedge":

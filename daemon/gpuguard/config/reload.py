@@ -22,9 +22,13 @@ RESTART_KEYS: dict[str, frozenset[str] | None] = {
     "recorder": frozenset({"enabled", "path"}),  # the open database
     "kernel": frozenset({"enabled", "kmsg_path", "state_file", "udev", "udev_source", "event_buffer"}),
     "api": frozenset({"unix_socket"}),
+    # consulted once, at start (the wait for late cards, the safe-mode decision): a running
+    # daemon has nothing to apply them to, so a reload must not call them applied
+    "apply": frozenset({"wait_for_gpus", "wait_timeout_seconds", "safe_mode_after_crashes"}),
 }
 # sections the daemon applies in place (the keys of RESTART_KEYS sections not listed there too)
-LIVE_SECTIONS = frozenset({"poll", "gpus", "logging", "webhooks", "profiles", "apply", "kernel", "api", "recorder"})
+LIVE_SECTIONS = frozenset({"poll", "gpus", "logging", "webhooks", "profiles", "apply", "kernel", "api", "recorder",
+                           "power"})
 
 
 @dataclass

@@ -7,6 +7,10 @@ interpreter exit and asyncio's default executor is waited for when the loop clos
 `DeviceCalls.run(fn, *args, timeout=)` awaits the call with a deadline; on timeout the
 thread is left to finish (or not) on its own and `stuck()` counts it. Workers are
 reused; a new one starts only when every worker is busy.
+
+An abandoned call is marked so: code running inside it asks `abandoned()` before each
+further step. An apply given up by its timeout was reported unverified; when the driver
+answers at last, the thread must not go on staging and committing behind that report.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ class DeviceCalls:
         self._busy = 0
         self._n = itertools.count(1)
         self._closed = False
+        self._local = threading.local()  # the abandon flag of the call this worker runs
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -34,6 +39,7 @@ class DeviceCalls:
             if self._closed:
                 fut.set_exception(RuntimeError(f"{self.name}: stopping; no new device calls"))
                 return fut
+            fut.abandon = threading.Event()  # type: ignore[attr-defined]
             self._q.put((fut, fn, args))
             if self._idle > 0:
                 self._idle -= 1
@@ -47,6 +53,7 @@ class DeviceCalls:
             if item is None:
                 return
             fut, fn, args = item
+            self._local.abandon = fut.abandon
             with self._lock:
                 self._busy += 1
             try:
@@ -69,7 +76,16 @@ class DeviceCalls:
         wrapped = asyncio.wrap_future(fut)
         if timeout is None:
             return await wrapped
-        return await asyncio.wait_for(wrapped, timeout)
+        try:
+            return await asyncio.wait_for(wrapped, timeout)
+        except asyncio.TimeoutError:
+            fut.abandon.set()  # type: ignore[attr-defined]
+            raise
+
+    def abandoned(self) -> bool:
+        """True inside a call of this pool that its caller gave up on (timed out)."""
+        flag = getattr(self._local, "abandon", None)
+        return flag is not None and flag.is_set()
 
     def busy(self) -> int:
         """Calls running now (a call stuck in a device counts until it returns)."""

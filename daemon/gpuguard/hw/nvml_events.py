@@ -173,19 +173,17 @@ async def run_watcher(watcher: NvmlEventWatcher, emit: Callable[[Event], object]
             watcher.close()
 
 
-def start(daemon: Any) -> None:
-    """Wiring for the daemon: when an NVML source polls GPUs and the kernel router runs,
-    watch NVML's events into that router."""
-    router = getattr(daemon, "kernel_router", None)
-    src = next((s for s in getattr(daemon, "sources", ()) if getattr(s, "name", "") == "nvml"), None)
-    if router is None or src is None:
-        return
+def start(sources: Iterable[Any], handle: Callable[..., Any] | None, gpu_name: Callable[[str], str | None],
+          stop: asyncio.Event) -> asyncio.Task | None:
+    """When an NVML source polls GPUs and the kernel router runs (`handle`: its
+    `handle_external`), watch NVML's events into that router. Returns the task, or None."""
+    src = next((s for s in sources if getattr(s, "name", "") == "nvml"), None)
+    if handle is None or src is None:
+        return None
     try:
         devices = src.discover()
     except Exception as e:
         log.warning("NVML events not watched: discovery failed: %s", e)
-        return
+        return None
     watcher = NvmlEventWatcher(src.nvml, devices)
-    daemon.tasks.append(asyncio.create_task(
-        run_watcher(watcher, router.handle_external, lambda bdf: daemon.poller.names.get(bdf), daemon.stop_event),
-        name="nvml-events"))
+    return asyncio.create_task(run_watcher(watcher, handle, gpu_name, stop), name="nvml-events")

@@ -4,8 +4,8 @@ judges the host against the PSU budget (policy/psu.py), publishes the hub view `
 the headroom alert / all-clear events, the metrics, and the flight-recorder rows — with the
 raw samples of the seconds before an alert.
 
-`attach(daemon)` wires it: poller `on_cycle`, a metrics producer, a hub view; the daemon
-calls `close()` on the way out. Receives the narrow things it uses.
+The daemon wires it (poller `on_cycle`, a metrics producer, the `power` action provider) and
+calls `close()` on the way out; it receives the narrow things it uses, not the daemon.
 """
 from __future__ import annotations
 
@@ -159,12 +159,3 @@ def poller_channels(poller: Any, hub: Hub) -> Callable[[], list[PowerChannel]]:
         return cache["channels"]
 
     return channels
-
-
-def attach(daemon: Any) -> PowerWatch:
-    watch = PowerWatch(daemon.hub, daemon.config.power, poller_channels(daemon.poller, daemon.hub),
-                       recorder=daemon.recorder)
-    daemon.poller.on_cycle.append(watch.on_cycle)
-    daemon.metrics.add_producer(watch.metrics)
-    daemon.actions.provide(power=watch.document)
-    return watch

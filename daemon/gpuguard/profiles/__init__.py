@@ -3,8 +3,8 @@ wait for late cards, re-apply after drift, check the clock under load, safe mode
 
 Modules: schema (config models), plan (writes + validation + ordering), apply (one
 card: write, read back, retry), kernel_reason (EINVAL reasons from /dev/kmsg), audit,
-wait, drift, effective, safemode, ledger (state + metrics), lifecycle (`attach(daemon)`).
+wait, drift, effective, safemode, ledger (state + metrics), lifecycle (`ProfileRuntime`, wired by the daemon).
 """
-from gpuguard.profiles.lifecycle import attach
+from gpuguard.profiles.lifecycle import ProfileRuntime
 
-__all__ = ["attach"]
+__all__ = ["ProfileRuntime"]

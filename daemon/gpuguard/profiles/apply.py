@@ -248,7 +248,7 @@ class Applier:
         if self.is_lost(target.bdf) or not self.may_write(target.bdf):
             e = SysfsError(path, errno_mod.ECANCELED, "write")
             e.text = (f"not written {value!r} to {path}: {target.name} ({target.bdf}) may not be written now "  # type: ignore[attr-defined]
-                      "(lost, not answering, not identified, or the daemon is stopping)")
+                      "(lost, not answering, not identified, the daemon is stopping, or its apply was abandoned)")
             log.warning("gpu=%s %s", target.name, e.text)  # type: ignore[attr-defined]
             return e
         try:

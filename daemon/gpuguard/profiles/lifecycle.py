@@ -74,17 +74,22 @@ class ProfileRuntime:
         cards through NVML — the same gate (`may_write`), retries, audit and CardResult."""
         a = self.cfg.apply
         amd = Applier(root, audit=self.audit, kernel_reason=KmsgReasons(root), retries=a.retries,
-                      backoff=a.backoff_seconds, sleep=self._sleep, may_write=gpus.may_write)
+                      backoff=a.backoff_seconds, sleep=self._sleep, may_write=self._may_write)
         if nvml is None:
             return amd
         from gpuguard.hw.nvml_profile import NvmlApplier, VendorApplier
 
         nv = NvmlApplier(nvml.nvml, audit=self.audit, retries=a.retries, backoff=a.backoff_seconds,
-                         sleep=self._sleep, is_lost=lambda bdf: not gpus.may_write(bdf))
+                         sleep=self._sleep, is_lost=lambda bdf: not self._may_write(bdf))
         return VendorApplier(amd, nv, discover=nvml.discover)
 
     def _sleep(self, seconds: float) -> None:
         self._stop.wait(seconds)
+
+    def _may_write(self, bdf: str) -> bool:
+        # an apply abandoned by apply.timeout_seconds was reported unverified: when its
+        # stuck write returns at last, that attempt writes nothing more
+        return self.gpus.may_write(bdf) and not self.calls.abandoned()
 
     # -- configuration ----------------------------------------------------------------------
     def configure(self, cfg: ProfilesConfig) -> None:
@@ -94,6 +99,7 @@ class ProfileRuntime:
         a = cfg.apply
         self.applier.retries = a.retries
         self.applier.backoff = a.backoff_seconds
+        self.guard.window = a.safe_mode_window_seconds  # the heartbeat's "survived" line
         # a profile whose values changed: the cards carrying it get it again
         for s in self.gpus.all():
             if s.profile and old.profiles.get(s.profile) != cfg.profiles.get(s.profile) and \
@@ -297,22 +303,4 @@ class ProfileRuntime:
             self.guard.record_clean_stop()
 
 
-def attach(daemon: Any) -> ProfileRuntime:
-    """Wire profiles into `daemon` (hooks, metrics, view, API provider). Returns the runtime."""
-    rt = ProfileRuntime(ProfilesConfig.from_root(daemon.config), daemon.hub.gpus, daemon.hub, daemon.root,
-                        discover=daemon.poller.discover,
-                        nvml=next((s for s in daemon.sources if getattr(s, "name", "") == "nvml"), None))
-    rt.audit._log.health = getattr(daemon, "state_dir", None)  # /healthz, STATUS= (issue 12)
-    daemon.on_ready.append(rt.on_ready)
-    daemon.poller.on_cycle.append(rt.on_cycle)
-    daemon.metrics.add_producer(rt.ledger.metrics)
-    daemon.profiles = rt
-    actions = getattr(daemon, "actions", None)
-    if actions is not None:  # the control API's apply/reset/confirm-window providers
-        from gpuguard.profiles.api import ProfileActions
-
-        actions.provide_from(ProfileActions(rt))
-    return rt
-
-
-__all__ = ["ProfileRuntime", "attach", "Profile"]
+__all__ = ["ProfileRuntime", "Profile"]

@@ -78,6 +78,8 @@ class AmdGpu:
         assert fn.model is not None
         self.fn = fn
         self.bdf = fn.bdf
+        # the chip's serial: the card's own, it stays when the card moves to another slot
+        self.serial = hashlib.sha256(fn.bdf.encode()).hexdigest()[:16]
         self.model: CardModel = fn.model
         self.era = era
         self.log = log
@@ -302,7 +304,7 @@ class AmdGpu:
         return "".join(out).encode()
 
     def unique_id(self) -> bytes:
-        return (hashlib.sha256(self.bdf.encode()).hexdigest()[:16] + "\n").encode()
+        return (self.serial + "\n").encode()
 
     def device_files(self) -> dict[str, FileDef]:
         s = self.sensors

@@ -3,7 +3,7 @@
 Each request is one line `{"op": NAME, ...arguments}`; each answer one line
 `{"ok": true, "result": ...}` or `{"ok": false, "error": "..."}`. Operations (SimHost
 methods of the same name): set_load(bdf, level), set_vram(bdf, used_bytes), step(dt),
-lose_gpu(bdf, err?), return_gpu(bdf), add_late_gpu(bdf, after_s?), appear(bdf), renumber_hwmon(),
+lose_gpu(bdf, err?), return_gpu(bdf, slot?) (its address back), add_late_gpu(bdf, after_s?), appear(bdf), renumber_hwmon(),
 garbage(bdf, file, text), clear_garbage(bdf, file?), block(bdf, file), block_writes(bdf, file),
 unblock(bdf, file?),
 suspend(bdf, resume_error?), resume(bdf), reset_gpu(bdf, steps?),

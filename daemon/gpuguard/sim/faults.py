@@ -13,8 +13,13 @@ Owns the faults a daemon must survive, each with the kernel's observable behavio
 - `block(bdf, file)`: reads of that file hang until `unblock()`/`release_all()`.
 - `block_writes(bdf, file)`: writes to that file hang the same way (an OD store() that
   never returns from the SMU).
-- `return_gpu(bdf)`: a GPU that fell off the bus is back (a slot power cycle, a bus
-  rescan): a fresh driver instance at stock settings with the next free cardN/hwmonN.
+- `return_gpu(bdf, slot=None)`: a GPU that fell off the bus is back (a slot power cycle, a bus
+  rescan): a fresh driver instance at stock settings with the next free cardN/hwmonN. With
+  `slot` (an empty root or switch downstream port with buses reserved for hotplug) the board
+  comes back there instead, as when it is moved to another slot: the kernel enumerates it
+  under that port, so it has new PCI addresses (bridges and GPU) and a new link, while its
+  own identity files (vendor/device, subsystem ids, `unique_id`) are the card's, unchanged.
+  The old slot is left empty.
 - `suspend(bdf)` / `resume(bdf)`: runtime suspend (see amdgpu.py access gate).
 - `reset_gpu(bdf, steps=0)`: stock OD values and default power cap, silently; PM files
   answer EPERM/EBUSY for `steps` steps while the reset is in progress.
@@ -27,7 +32,11 @@ from __future__ import annotations
 import errno
 import threading
 
-from .kmsg import KERN_ERR, KERN_WARNING
+from dataclasses import replace
+
+from .kmsg import KERN_ERR, KERN_INFO, KERN_WARNING
+from .pcidev import AerCounters
+from .topology import Card, RootComplex, _Enumerator
 
 
 class FaultInjection:
@@ -137,13 +146,19 @@ class FaultInjection:
                     if ev:
                         ev.set()
 
-    def return_gpu(self, bdf: str) -> None:
+    def return_gpu(self, bdf: str, slot: str | None = None) -> str:
         """A GPU lost from the bus (or taken off by add_late_gpu) is back, at stock settings, as
-        after a cold power-cycle: a new cardN/hwmonN, the driver's init line in the kernel log."""
+        after a cold power-cycle: a new cardN/hwmonN, the driver's init line in the kernel log.
+        `slot`: it comes back below that empty port (another address). Returns its address."""
         with self.lock:
             g = self.gpu(bdf)
             if g.present and g.faults.lost_stage == 0:
-                return
+                if slot is not None:
+                    raise ValueError(f"GPU {g.bdf} is on the bus: lose it first (lose_gpu or add_late_gpu)")
+                return g.bdf
+            if slot is not None:
+                g.release_blocked()  # a read still hanging in the old slot ends (ENODEV)
+                self._move_board(g, self._norm(slot))
             g.faults.lost_stage = 0
             g.faults.removal_in = 1
             g.present = False
@@ -153,6 +168,48 @@ class FaultInjection:
             g.dpm_masks.clear()
             self._appear(g)
             self._rebuild()
+            return g.bdf
+
+    def _move_board(self, g, slot: str) -> None:
+        """Re-enumerate g's board (1478, 1479, GPU) below the empty port `slot`, the way
+        pciehp does on a hot-add: buses from the port's reserved range, depth first."""
+        port = self.by_bdf.get(slot)
+        if port is None or port.kind not in ("root_port", "switch_down") or port.virtual:
+            raise ValueError(f"no slot port at {slot}: give an empty root port or switch downstream port")
+        if any(f.parent == slot for f in self.functions):
+            raise ValueError(f"slot {slot} is not empty")
+        sec, sub = port.secondary, port.subordinate
+        if sec is None or sub is None or sub - sec + 1 < 3:
+            raise ValueError(f"slot {slot} has buses {sec}-{sub}: a card needs 3 "
+                             "(the kernel: 'No bus number available for hot-added bridge')")
+        down = self.by_bdf[g.fn.parent]
+        up = self.by_bdf[down.parent]
+        old = {up.bdf, down.bdf, g.bdf}
+        e = _Enumerator()
+        e.gpu_index = [f.bdf for f in self.functions if f.is_gpu].index(g.bdf)  # its BAR windows
+        rc = RootComplex(bus=int(slot.split(":")[1], 16), numa=port.numa, ports=(), domain=int(slot.split(":")[0], 16))
+        # the slot link trains anew: the old slot's trained-down hop stays with the old slot
+        card = replace(up.card, slot_speed=None, slot_width=None, present=True) if up.card else None
+        e.card(card or Card(model=g.model), rc, sec, port.path, port, sec + 1)
+        new = e.functions
+        self.functions = [f for f in self.functions if f.bdf not in old]
+        at = self.functions.index(port) + 1
+        self.functions[at:at] = new
+        self.by_bdf = {f.bdf: f for f in self.functions}
+        for b in old:
+            self.aer.pop(b, None)
+        for f in new:
+            self.aer[f.bdf] = AerCounters()
+        old_bdf = g.bdf
+        g.fn = new[-1]
+        g.bdf = g.fn.bdf
+        by_new = {(g.bdf if b == old_bdf else b): x for b, x in self._gpus.items()}
+        self._gpus = {f.bdf: by_new[f.bdf] for f in self.functions if f.is_gpu}  # PCI order
+        self.scheduled = [(t, g.bdf if b == old_bdf else b) for t, b in self.scheduled]
+        self._link_view(g)
+        self.kernel_log.add(KERN_INFO, f"pcieport {slot}: pciehp: Slot({int(port.bdf.split(':')[2][:2], 16)}): Card present", slot)
+        self.kernel_log.add(KERN_INFO, f"pci {g.bdf}: [{g.fn.vendor:04x}:{g.fn.device:04x}] type 00 class "
+                            f"0x{g.fn.class_code:06x} PCIe Legacy Endpoint", g.bdf)
 
     def release_all(self) -> None:
         """Release every blocked read (used on unmount/shutdown)."""

@@ -22,6 +22,7 @@ SCENARIOS: dict[str, Callable[[int], SimHost]] = {
     "incident-late": lambda seed: _late(SimHost.incident(seed=seed)),
     "incident-no-od": lambda seed: SimHost.incident(seed=seed, od_enabled=False),
     "incident-7.0": lambda seed: SimHost.incident(seed=seed, era="7.0"),
+    "incident-spare-slot": lambda seed: SimHost.incident(seed=seed, spare_slot=True),
     "bench32": lambda seed: SimHost.incident(seed=seed, extra_gpus=28),
     "amd-only-r9700": lambda seed: SimHost.incident(seed=seed, xtx=False),
 }
@@ -35,6 +36,8 @@ SCENARIO_HELP: dict[str, str] = {
     "incident-late": "as incident, with R9700 08:00.0 appearing 5 s after start (INCIDENTS §2: the late card)",
     "incident-no-od": "as incident, booted without OD in amdgpu.ppfeaturemask: profiles cannot apply",
     "incident-7.0": "as incident, with the Linux 7.0 era sysfs formats",
+    "incident-spare-slot": "as incident, plus an empty hotplug slot (root port 00:03.2): `return_gpu(bdf, slot=...)` "
+                           "brings a lost card back there, at 0000:42:00.0",
     "bench32": "the incident host plus 28 more GPUs (32 in all), for benchmarks",
     "amd-only-r9700": "the two R9700 only (INCIDENTS §2 host)",
 }

@@ -57,6 +57,10 @@ class Port:
     mirror_speed: float = 5.0
     mirror_width: int = 16
     secondary: int | None = None   # firmware-assigned secondary bus (gaps are legal)
+    # buses firmware reserves below an empty hotplug slot (pci=hpbussize): a board hot-added
+    # there needs one per bridge level (1478, 1479, GPU: 3); without them the kernel says
+    # "No bus number available for hot-added bridge"
+    hotplug_buses: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,7 @@ class _Enumerator:
         elif isinstance(child, Port):
             # A downstream port directly below a switch-internal virtual port (PEX88096).
             next_bus = self.port(child, rc, sec, path, bdf, next_bus, "switch_down", None)
+        next_bus = max(next_bus, sec + port.hotplug_buses)
         fn.subordinate = next_bus - 1
         return next_bus
 
@@ -263,6 +268,8 @@ def enumerate_host(spec: HostSpec) -> list[PciFunction]:
 
 # -- the incident host and its variants ---------------------------------------------
 
+SPARE_SLOT = "0000:00:03.2"  # incident_spec(spare_slot=True): an empty root port
+
 def _pex88096(xtx_a: Card, xtx_b: Card, slot_width: int = 16) -> Switch:
     """INCIDENTS §4: PEX88096 with internal virtual ports a2:00-08; a2:04.0 and a2:08.0
     lead to the slot downstream ports a7:00.0 / ad:00.0."""
@@ -277,13 +284,16 @@ def _pex88096(xtx_a: Card, xtx_b: Card, slot_width: int = 16) -> Switch:
 def incident_spec(*, era: str = "6.14", od_enabled: bool = True, extra_gpus: int = 0,
                   extra_model: str = "r9700", xtx_slot_width: int = 16,
                   xtx_slot_speed: float | None = 5.0, chipset_gpu: bool = False,
-                  late: tuple[str, ...] = (), xtx: bool = True, r9700: bool = True) -> HostSpec:
+                  late: tuple[str, ...] = (), xtx: bool = True, r9700: bool = True,
+                  spare_slot: bool = False) -> HostSpec:
     """The dual-socket Xeon host of INCIDENTS §4 and its variants.
 
     `late`: bdfs of GPUs absent at start (appear with SimHost.appear). `xtx_slot_width=8`:
     the XTX pair in x8 slots. `chipset_gpu`: one more R9700 on a PCH x4 root port without
     AtomicOps completer support (INCIDENTS §6). `extra_gpus`: more GPUs on further root
-    ports (the 32-GPU benchmark). `xtx=False`/`r9700=False`: drop that pair."""
+    ports (the 32-GPU benchmark). `xtx=False`/`r9700=False`: drop that pair. `spare_slot`: an
+    empty CPU x16 slot (root port 00:03.2, buses 40-42 reserved for hotplug) a lost card can
+    come back in (`SimHost.return_gpu(bdf, slot=SPARE_SLOT)`): the same card at 0000:42:00.0."""
     def card(model: str, bdf: str, **kw) -> Card:
         return Card(model=model, present=bdf not in late, **kw)
 
@@ -297,6 +307,9 @@ def incident_spec(*, era: str = "6.14", od_enabled: bool = True, extra_gpus: int
             ports0.append(Port(f"{0x04 + k:02x}.0", 0x6F06, child=Card(model=extra_model)))
         else:
             extra_a0.append(Port(f"{0x03 + k - 24:02x}.0", 0x6F06, child=Card(model=extra_model)))
+    if spare_slot:
+        # after every other CPU port's buses, so no other card's address moves
+        ports0.append(Port(SPARE_SLOT.rsplit(":", 1)[1], 0x6F0A, secondary=0x40, hotplug_buses=3))
     if chipset_gpu:
         ports0.append(Port("1c.0", 0x8D10, max_speed=5.0, max_width=4, atomics=False,
                            child=Card(model="r9700")))

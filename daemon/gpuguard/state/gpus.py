@@ -89,6 +89,7 @@ class GpuStates:
         self.on_new: list[Listener] = []
         self.on_reset: list[Listener] = []  # reset while present: stock settings, every context gone
         self._missing_said: tuple[str, ...] = ()
+        self._moved_from: dict[str, GpuState] = {}  # new bdf -> the card's state at its old address
 
     # -- configuration ---------------------------------------------------------------------
     def configure(self, entries: Sequence, engines: Mapping[str, Iterable[str]] | None = None) -> None:
@@ -209,6 +210,10 @@ class GpuStates:
             self.back(bdf, "bus")
         for bdf in new:
             s = self._gpus[bdf]
+            old = self._moved_from.pop(bdf, None)
+            if old is not None:
+                self._back_elsewhere(old, s)
+                continue
             if not first:
                 self._event("gpu_appeared", "info", f"GPU {s.name} ({bdf}) appeared", s)
             self._emit(self.on_new, s, "start" if first else "appeared")
@@ -224,8 +229,13 @@ class GpuStates:
         for name, s in lost_named.items():
             if name in ident.names.values():
                 # the card came back at another address and was identified there: the old
-                # address is history
+                # address is history; observe() reports it back (not a new card)
                 del self._gpus[s.bdf]
+                for b, n in ident.names.items():
+                    if n == name:
+                        self._moved_from[b] = s
+                for key in [k for k in self.conditions if k[0] == s.bdf]:
+                    del self.conditions[key]
         self.identity = ident
         for bdf, s in list(self._gpus.items()):
             if not s.on_bus:
@@ -308,6 +318,20 @@ class GpuStates:
                     + ("; its profile is re-applied" if s.profile else ""), s, fields={"how": how})
         self._emit(self.on_back, s, how)
         return True
+
+    def _back_elsewhere(self, old: GpuState, s: GpuState) -> None:
+        """A named card came back at another address (moved to another slot, re-enumerated
+        after a bus rescan) and identity named it there: the same card, back at stock
+        settings. Its profile is pending (identity made it so), its engines are restarted."""
+        how = f"at {s.bdf}, was {old.bdf}"
+        s = replace(s, generation=max(s.generation, old.generation + 1),
+                    pending_why=f"GPU back at another address ({how}): stock settings")
+        self._gpus[s.bdf] = s
+        log.info("gpu %s back at another address %s (was %s)", s.name, s.bdf, old.bdf)
+        self._event("gpu_back", "info", f"GPU {s.name} is back at another address: {s.bdf} (was {old.bdf})"
+                    + ("; its profile is re-applied" if s.profile else ""), s,
+                    fields={"how": "bus", "previous_bdf": old.bdf, "was_lost": old.presence == LOST})
+        self._emit(self.on_back, s, f"bus ({how})")
 
     def reset(self, bdf: str, why: str) -> None:
         """The card was reset (kernel `GPU reset succeeded`): stock settings again."""
