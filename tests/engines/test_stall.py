@@ -315,3 +315,16 @@ def test_scrape_measured_prefill_rate_needs_a_real_batch():
     v = tr.observe(obs(101.0, R(2, 0, hb=20, prefill=8192), cpu=2.0, batch=8192))
     assert v.evidence["prefill_batch"]["prefill_rate_tokens_per_second"] == 8192.0
     assert v.evidence["prefill_batch"]["rate_from"] == "scrapes"
+
+
+def test_step_multiple_window_is_capped_at_stall_after():
+    """k x step time may not stretch the window past stall_after: a slow-stepping engine
+    that stops is still a stall at stall_after, not at 4 x its step."""
+    tr = StallTracker(StallSettings(stall_after=6.0, step_multiple=4.0, floor=3.0))
+    for i in range(6):  # one step every 2 s -> 4 x 2 = 8 s, above stall_after
+        ready_at(tr, 100 + i * 2.0, R(1, 0, hb=i))
+    assert tr.window() == 6.0
+    v = ready_at(tr, 110.0 + 5.9, R(1, 0, hb=5))
+    assert not v.stalled
+    v = ready_at(tr, 110.0 + 6.0, R(1, 0, hb=5))
+    assert v.stalled and v.stall_window == 6.0

@@ -224,3 +224,12 @@ def test_the_literal_prefilter_never_changes_a_result(rules, labelled):
     texts = [t for t, _, _ in POSITIVE] + NEGATIVE + [i["text"] for i in labelled]
     for text in texts:
         assert rules.classify(text) == plain.classify(text), text
+
+
+def test_bar_exactly_as_large_as_vram_is_large_bar(rules):
+    """The boundary: a BAR covering all of VRAM, not more, is large BAR (amdgpu's own test
+    is visible_vram_size == real_vram_size)."""
+    m = rules.classify("[drm] Detected VRAM RAM=16384M, BAR=16384M")
+    assert m.fields["large_bar"] is True
+    m = rules.classify("[drm] Detected VRAM RAM=16384M, BAR=16383M")
+    assert m.fields["large_bar"] is False

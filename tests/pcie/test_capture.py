@@ -129,8 +129,9 @@ def test_real_capture_replays_and_walks(path, tmp_path):
     golden = path.with_name(path.name.replace(".pcie.txt", ".pcie.json"))
     if os.environ.get("GPUGUARD_REGEN"):
         golden.write_text(json.dumps(doc, indent=2) + "\n")
-    if golden.exists():
-        assert doc == json.loads(golden.read_text())
+    # A missing golden is a failure, not a pass: a capture without one checks nothing.
+    assert golden.exists(), f"{golden.name} missing: write it with GPUGUARD_REGEN=1 and review the diff"
+    assert doc == json.loads(golden.read_text())
 
 
 def test_vm_capture_has_no_gpu_and_no_link_attributes(tmp_path):

@@ -39,6 +39,12 @@ def test_real_h200_facts(tree):
     report = walk(SysfsRoot(str(tree)))
     (g,) = report.gpus
     assert g.bdf == "0000:00:06.0"
-    # Gen5 x16 on the GPU's own link; 128b/130b: 63 GB/s per direction
-    assert g.narrowest_hop is not None
+    # Gen5 x16 on the GPU's own link (no root port in this VM): 32 GT/s x 16 lanes x
+    # 128/130 / 8 bits = 63.015 GB/s per direction, derived by hand, not by the walk
+    link = g.narrowest_link
+    assert (link.upper, link.lower) == ("pci0000:00", "0000:00:06.0")
+    assert (link.current_speed_gts, link.current_width) == (32.0, 16)
+    assert (link.capable_speed_gts, link.capable_width) == (32.0, 16)
+    assert not link.downgraded_speed and not link.downgraded_width
+    assert g.bottleneck_bytes_per_second == pytest.approx(32e9 * 16 * 128 / 130 / 8)
     assert report.pairs == ()

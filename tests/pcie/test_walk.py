@@ -383,3 +383,25 @@ def test_kernel_vram_lines_are_attributed_by_the_one_address_finder():
     # A line without an address is amdgpu's own only when one AMD GPU exists.
     assert kernel_vram(["[drm] Detected VRAM RAM=24560M, BAR=256M"], ["0000:aa:00.0"]) == {"0000:aa:00.0": (24560, 256)}
     assert kernel_vram(["[drm] Detected VRAM RAM=24560M, BAR=256M"], ["0000:aa:00.0", "0000:b0:00.0"]) == {}
+
+
+def test_narrowest_hop_on_a_tie_is_the_one_nearest_the_root(pci_tree):
+    """Two links of equal bandwidth: the documented choice is the one nearest the root
+    (the upstream link limits everything below it, so it is the one to fix first)."""
+    t = pci_tree
+    t.add("0000:00:00.0", "pci0000:00", "8086:6f00", 0x060000)
+    gen3 = (8.0, 16)
+    t.add("0000:00:02.0", "pci0000:00", "8086:6f04", 0x060400, port="root_port", cur=gen3, max=(16.0, 16),
+          driver="pcieport")
+    t.add("0000:03:00.0", "0000:00:02.0", "1000:c010", 0x060400, port="switch_upstream", cur=gen3, max=(16.0, 16),
+          driver="pcieport")
+    t.add("0000:04:00.0", "0000:03:00.0", "1000:c010", 0x060400, port="switch_downstream", cur=gen3,
+          max=(16.0, 16), driver="pcieport")
+    t.add("0000:05:00.0", "0000:04:00.0", "10de:2335", 0x030200, port="endpoint", cur=gen3, max=(16.0, 16),
+          driver="nvidia")
+    g = walk(SysfsRoot(str(t.base)), {"0000:05:00.0": True}).gpu("0000:05:00.0")
+    links = [(h.link.upper, h.link.lower) for h in g.hops if h.link is not None and h.link.counts]
+    assert len(links) == 2  # root port -> switch, switch -> GPU: both 8 GT/s x16
+    link = g.narrowest_link
+    assert (link.upper, link.lower) == ("0000:00:02.0", "0000:03:00.0")
+    assert g.bottleneck_bytes_per_second == pytest.approx(15.754e9, rel=1e-3)

@@ -136,3 +136,40 @@ def test_reset_writes_r_and_default_cap_and_verifies_stock(mount_sim):
     assert r.verified, r.message
     assert m.writes()[n:] == ["control: on", "pp_od_clk_voltage: r", "power1_cap: 300000000", "control: auto"]
     assert r.readback["sclk_offset_mhz"] == 0 and r.readback["power_cap_w"] == 300
+
+
+def test_setting_that_cannot_be_read_back_is_never_verified(mount_sim):
+    """An R9700 on a kernel before the RDNA4 OD fix (d9d4cb224e41) prints the firmware
+    limits where the offset should be: the write lands, but "applied" means read back
+    equal, so the card is unverified with the exact reason."""
+    from gpuguard.sim.host import SimHost
+
+    m = mount_sim(SimHost.incident(era="6.12"))
+    log = []
+    r = applier(m, audit=log.append).apply(CardTarget("r9700-a", "0000:05:00.0"), "psu-safe",
+                                            Profile(sclk_offset_mhz=-500), "test", "old kernel")
+    assert r.result == "mismatch" and not r.verified
+    assert r.message == ("sclk_offset_mhz cannot be read back on this kernel (SMU14 before d9d4cb224e41 prints "
+                         "the firmware limits instead of the setting): unverified")
+    assert [w for w in m.writes() if w.startswith("pp_od")] == ["pp_od_clk_voltage: s 1 -500",
+                                                                 "pp_od_clk_voltage: c"]
+    assert [rec["action"] for rec in log if rec["action"] in ("verified", "unverified")] == ["unverified"]
+
+
+def test_gpu_lost_between_retries_stops_writing_at_once(mount_sim):
+    """The first attempt reads back wrong; the GPU is marked lost during the backoff: the
+    result is lost and not one write follows the first attempt's."""
+    m = mount_sim()
+    m.host.gpu("0000:05:00.0").faults.ignore_next.add("stage")
+    lost = set()
+    root = SysfsRoot(m.mountpoint)
+    a = Applier(root, kernel_reason=KmsgReasons(root), sleep=lambda s: lost.add("0000:05:00.0"),
+                is_lost=lambda bdf: bdf in lost)
+    r = a.apply(CardTarget("r9700-a", "0000:05:00.0"), "psu-safe", R9700, "test", "lost mid-apply")
+    assert r.result == "lost" and not r.verified and r.attempts == 2
+    assert r.message == "GPU lost during apply; writing stopped"
+    first = ["pp_od_clk_voltage: s -500", "pp_od_clk_voltage: vo -100", "pp_od_clk_voltage: c",
+             "power1_cap: 210000000"]
+    assert list(r.written) == first
+    # not even the runtime-PM restore: a lost GPU is never written (DESIGN.md)
+    assert m.writes() == ["control: on", *first]

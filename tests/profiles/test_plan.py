@@ -100,3 +100,12 @@ def test_never_plans_pp_dpm_writes(reference):
     p = plan_apply("g", "x", Profile(sclk_min_mhz=500, sclk_max_mhz=2000, mclk_max_mhz=1200, vddgfx_offset_mv=-50,
                                      performance_level="manual"), od(reference, "rdna3-rx7900xtx-nitro-e471"), None)
     assert not any(w.file.startswith("pp_dpm_") for w in p.writes)
+
+
+def test_a_value_missing_from_the_read_back_is_a_mismatch():
+    """Absent is not equal: a setting the read-back lacks must never count as verified."""
+    from gpuguard.profiles.plan import mismatches
+
+    assert mismatches({"power_cap_w": 210, "sclk_offset_mhz": -500}, {"power_cap_w": 210}) == {
+        "sclk_offset_mhz": (-500, None)}
+    assert mismatches({"power_cap_w": 210}, {"power_cap_w": 210, "extra": 1}) == {}
