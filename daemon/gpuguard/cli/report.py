@@ -51,6 +51,19 @@ def incident_dir(spec: str, config: str | None) -> str:
     return os.path.join(load_config(config).state_dir, "incidents", spec)
 
 
+def write_report(rep, out: str, png_path: str) -> bool:
+    """The HTML and its PNG beside it; False (said on stderr) when either cannot be written."""
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(rep.html)
+        with open(png_path, "wb") as f:
+            f.write(rep.png)
+    except OSError as e:
+        print(f"gpuguard report: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_incident(args: argparse.Namespace) -> int:
     from gpuguard.config import ConfigError
     from gpuguard.report.incident import BundleError, make_incident_report
@@ -66,13 +79,7 @@ def cmd_incident(args: argparse.Namespace) -> int:
     except BundleError as e:
         print(f"gpuguard report: {e}", file=sys.stderr)
         return 1
-    try:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(rep.html)
-        with open(png_path, "wb") as f:
-            f.write(rep.png)
-    except OSError as e:
-        print(f"gpuguard report: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+    if not write_report(rep, out, png_path):
         return 1
     n = sum(len(e["t"]) for e in rep.window.engines.values())
     print(f"incident {rep.name}: {rep.decision.get('reason')} on {rep.decision.get('engine')}, "
@@ -106,13 +113,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except (HistoryError, ConfigError) as e:
         print(f"gpuguard report: {e}", file=sys.stderr)
         return 1
-    try:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(rep.html)
-        with open(png_path, "wb") as f:
-            f.write(rep.png)
-    except OSError as e:
-        print(f"gpuguard report: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+    if not write_report(rep, out, png_path):
         return 1
     what = f"{rep.event['kind']} (event {rep.event['id']})" if rep.event else "the last sample"
     n = sum(len(g["t"]) for g in rep.window.gpus.values())
