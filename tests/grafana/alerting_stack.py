@@ -88,7 +88,7 @@ class Proc:
 
 
 class Sim(Proc):
-    def __init__(self, tmp: Path, scenario: str = "incident") -> None:
+    def __init__(self, tmp: Path, scenario: str = "incident", step_interval: float = 0, kmsg: bool = False) -> None:
         try:
             from gpuguard.sim.fuse import fuse_available
         except (ImportError, OSError) as e:  # no mfusepy, or no libfuse (FUSE_LIBRARY_NAME=none)
@@ -97,10 +97,14 @@ class Sim(Proc):
         if reason:
             pytest.skip(f"FUSE not usable here ({reason}); CI runs this as root with fuse3 installed")
         self.mount, self.sock = tmp / "root", str(tmp / "sim.sock")
+        # The simulated kernel log as kernel records (sim/kmsg_pipe.py): kernel.kmsg_path of
+        # the daemon, never the machine's own /dev/kmsg.
+        self.kmsg_fifo = tmp / "kmsg.fifo" if kmsg else None
         super().__init__("sim", [sys.executable, "-m", "gpuguard.sim.fuse", str(self.mount), "--scenario", scenario,
-                                 "--step-interval", "0", "--control", self.sock], tmp / "sim.log")
-        poll_until(lambda: self.alive() and (self.mount / "sys/bus/pci/devices").is_dir() and os.path.exists(self.sock),
-                   30, "the FUSE sim to mount")
+                                 "--step-interval", str(step_interval), "--control", self.sock,
+                                 *(["--kmsg", str(self.kmsg_fifo)] if kmsg else [])], tmp / "sim.log")
+        poll_until(lambda: self.alive() and (self.mount / "sys/bus/pci/devices").is_dir() and os.path.exists(self.sock)
+                   and (not kmsg or self.kmsg_fifo.exists()), 30, "the FUSE sim to mount")
 
     def ctl(self, op: str, **args):
         from gpuguard.sim.control import send
