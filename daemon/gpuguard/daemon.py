@@ -262,6 +262,14 @@ class Daemon:
         bad = [f"{n} {s.state}" for n, s in sorted(self.engines.snapshots().items()) if s.state in ("stalled", "unhealthy", "down")]
         self.hub.notes["engines"] = ("engines: " + ", ".join(bad)) if bad else ""
         self.hub.set_view("engines", self.engines.snapshots())
+        # issue 13: which processes hold each GPU, for `status` (plain values: sinks read them)
+        self.hub.set_view("gpu_processes", {
+            "scanned_at": self.engines.gpu_processes_at,
+            "processes": sorted(({"gpu": gpu, "bdf": g.bdf, "pid": g.pid, "comm": g.comm, "engine": engine or None,
+                                  "vram_bytes": g.vram_bytes, "source": g.source}
+                                 for g, gpu, engine in self.engines.gpu_processes()),
+                                key=lambda p: (p["gpu"], p["pid"])),
+        })
 
     def expected_links(self) -> dict[str, ExpectedLink]:
         """bdf -> expected slot link, from `gpus[].expect_link` and today's GPU names."""

@@ -96,4 +96,6 @@ def test_the_commented_examples_in_the_annotated_config_are_valid():
     assert c.gpus[1].expect_link.gen == 4
     assert set(c.profiles) == {"psu-safe", "xtx-2000"}
     assert [e.name for e in c.engines] == ["qwen", "gemma", "custom"]
+    qwen = c.engines[0]  # the graded response, as the comments explain it
+    assert (qwen.stall_after, qwen.effective_dump_after, qwen.effective_kill_after) == (60, 90, 180)
     assert c.webhooks and c.webhooks[0].retries == 3

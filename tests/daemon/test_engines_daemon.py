@@ -110,6 +110,15 @@ def test_kernel_hang_on_a_gpu_kills_its_engine_at_once(sim, start_daemon, engine
     assert all(alive(p) for p in r_tree)  # the engine on the other GPU is untouched
     events = httpx.get(f"{d.base}/v1/events", timeout=5).json()
     assert any(e["kind"] == "engine_killed" and e["engine"] == "llama-xtx" for e in events)
+    # issue 22: a kill without a stall episode leaves its evidence too: one bundle, for
+    # the killed engine only, whose decision names the kernel line that caused it
+    bundles = wait_for(lambda: [b for b in httpx.get(f"{d.base}/v1/incidents", timeout=5).json() if b.get("complete")],
+                       timeout=30, what="a complete incident bundle for the kernel kill")
+    assert [b["engine"] for b in bundles] == ["llama-xtx"], bundles
+    decision = json.loads(open(os.path.join(bundles[0]["path"], "decision.json")).read())
+    assert decision["reason"] == "gpu_hang" and decision["evidence"]["gpu"] == "xtx-0", decision
+    procs = json.loads(open(os.path.join(bundles[0]["path"], "processes.json")).read())
+    assert {p["pid"] for p in procs} == set(xtx_tree)
 
 
 def test_sighup_applies_engines_changes(sim, start_daemon, engines, wait_for):
@@ -125,3 +134,93 @@ def test_sighup_applies_engines_changes(sim, start_daemon, engines, wait_for):
     wait_for(lambda: d.value("gpuguard_engine_up", engine="llama-b") == 1, timeout=20, what="llama-b watched after SIGHUP")
     assert d.value("gpuguard_engine_up", engine="vllm-a") is None
     assert "reload: engines {'added': ['llama-b'], 'removed': ['vllm-a'], 'changed': []}" in d.log.read_text()
+
+
+def test_a_pause_records_the_gpu_busy_and_power_it_happened_at(sim, start_daemon, engines, wait_for, tmp_path):
+    """Issue 22: a freeze that clears by itself is a pause, recorded with what its GPU was
+    doing meanwhile (a pause at 100 % busy is the GPU grinding, at 0 % the host stalling)."""
+    import signal
+    import sqlite3
+
+    e = engines("llamacpp")
+    d = start_daemon(sim.mount, NAMES + "engines:\n" + engine_yaml("llama-xtx", e, "xtx-0", stall_after=1, kill_after=60))
+    sim.ctl("set_load", bdf="0000:aa:00.0", level=1.0)  # full load: the simulated card reads busy 100 % exactly
+    sim.ctl("set_load", bdf="0000:05:00.0", level=0.0)  # another card idle, to tell the two draws apart
+    for _ in range(3):  # this sim steps only when told to: let the power average settle
+        sim.ctl("step", dt=2.0)
+    e.control("requests", count=1, max_tokens=100000)
+    wait_for(lambda: (d.value("gpuguard_engine_tokens_per_second", engine="llama-xtx") or 0) > 0, what="decoding")
+    wait_for(lambda: d.value("gpuguard_gpu_busy_ratio", gpu="xtx-0") == 1.0, what="xtx-0 at full load")
+    os.kill(e.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: [x for x in httpx.get(f"{d.base}/v1/events", timeout=5).json() if x["kind"] == "engine_stalled"],
+                 timeout=20, what="the stall declared")
+    finally:
+        os.kill(e.pid, signal.SIGCONT)  # it clears by itself, long before kill_after
+    (pause_ev,) = wait_for(lambda: [x for x in httpx.get(f"{d.base}/v1/events", timeout=5).json()
+                                    if x["kind"] == "engine_pause"], timeout=20, what="the pause recorded")
+    pause = pause_ev["fields"]["pause"]
+    assert pause["running"] == 1 and pause["worst_state"] == "stalled" and pause["seconds"] >= 1
+    gpu = pause["gpus"]["xtx-0"]
+    assert gpu["busy_ratio_mean"] == 1.0, pause
+    # the power is the mean of what the daemon read during the pause (the flight recorder
+    # holds the same readings)
+    start, end = pause["start"], pause["start"] + pause["seconds"]
+    db = str(tmp_path / "state" / "flight.sqlite")
+
+    def readings():
+        with sqlite3.connect(db) as c:
+            return [r[0] for r in c.execute("SELECT power_w FROM samples WHERE gpu='xtx-0' AND t BETWEEN ? AND ? "
+                                            "AND power_w IS NOT NULL", (start, end))]
+
+    watts = wait_for(lambda: len(readings()) >= 2 and readings(), what="the pause's power in the recorder")
+    assert min(watts) - 1 <= gpu["power_watts_mean"] <= max(watts) + 1, (gpu, watts)
+    idle = d.value("gpuguard_gpu_power_watts", gpu="r9700-a")
+    assert gpu["power_watts_mean"] > idle + 50, (gpu, idle)  # a loaded card's draw, not an idle one's
+    assert alive(e.pid) and not [x for x in httpx.get(f"{d.base}/v1/events", timeout=5).json()
+                                 if x["kind"] == "engine_killed"]
+
+
+def test_sighup_cannot_add_the_first_engine_to_a_daemon_started_with_none(sim, start_daemon, engines, wait_for):
+    """The README's one exception to live engine reloads: no watchdog runs without engines,
+    so the first one waits for a restart, and the reload says so instead of pretending."""
+    import signal
+
+    a = engines("vllm")
+    d = start_daemon(sim.mount, NAMES + "engines: []\n")
+    d.config.write_text(d.config.read_text().replace("engines: []\n", "engines:\n" + engine_yaml("vllm-a", a, "xtx-0")))
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "needs restart (kept as running): engines" in d.log.read_text(), timeout=20,
+             what="the reload naming engines as needing a restart")
+    assert d.value("gpuguard_engine_up", engine="vllm-a") is None
+    assert httpx.get(f"{d.base}/v1/config", timeout=5).json()["engines"] == []
+
+
+def test_status_names_the_processes_holding_each_gpu(tmp_path, start_daemon, engines, wait_for):
+    """Issue 13: `status` (API and CLI) says which processes hold each GPU and for which
+    engine, from the watchdog's fdinfo attribution. A plain tree of the simulated host: the
+    simulated engine's GPU process serves its fdinfo under the host's /proc, as amdgpu does."""
+    import subprocess
+    import sys
+
+    from gpuguard.sim.runner import build_scenario
+    from gpuguard.sim.tree import write_tree
+
+    root = tmp_path / "host"
+    write_tree(build_scenario("incident"), str(root))
+    e = engines("vllm", "--drm-root", str(root / "proc"), "--gpu-bdf", "0000:aa:00.0", "--vram-mib", "512")
+    core = wait_for(lambda: len(e.tree()) == 2 and e.tree()[1], what="the EngineCore")
+    d = start_daemon(root, NAMES + "engines:\n" + engine_yaml("vllm-a", e, "xtx-0"))
+
+    def held():
+        doc = httpx.get(f"{d.base}/v1/status", timeout=5).json()
+        return [p for p in doc.get("gpu_processes", {}).get("processes", []) if p["pid"] == core]
+
+    (hold,) = wait_for(held, timeout=20, what="the EngineCore's hold in /v1/status")
+    assert hold == {"gpu": "xtx-0", "bdf": "0000:aa:00.0", "pid": core, "comm": "VLLM::EngineCor", "engine": "vllm-a",
+                    "vram_bytes": 512 * 2**20, "source": "fdinfo"}
+    r = subprocess.run([sys.executable, "-m", "gpuguard", "status", "--api", d.base], capture_output=True, text=True,
+                       timeout=60)
+    assert "GPU processes:" in r.stdout, r.stdout + r.stderr
+    (line,) = [l for l in r.stdout.splitlines() if f"pid {core} " in l]
+    assert line.split() == ["xtx-0", "pid", str(core), "VLLM::EngineCor", "engine", "vllm-a", "512", "MiB"], line

@@ -107,3 +107,28 @@ def test_sim_engine_gpu_from_fdinfo_metric_and_vram_held_after_it_is_gone(tmp_pa
     assert held, [e.kind for e in events]
     assert f"PID {core} (VLLM::EngineCor) still holds 512 MiB on r9700-a" in held[0].message
     assert held[0].fields["gpus"] == ["r9700-a"]
+
+
+def test_status_without_a_daemon_reads_the_hosts_fdinfo_itself(tmp_path, sims):
+    """`gpuguard status --sysfs-root` on the simulated host: the processes holding each GPU
+    from the host's /proc, as the daemon would show them (no engine names without one)."""
+    import subprocess
+    import sys
+
+    from gpuguard.sim.runner import build_scenario
+    from gpuguard.sim.tree import write_tree
+
+    root = tmp_path / "host"
+    write_tree(build_scenario("incident"), str(root))
+    sim = sims("vllm", "--drm-root", str(root / "proc"), "--gpu-bdf", "0000:aa:00.0", "--vram-mib", "256")
+    core = wait_for(lambda: len(sim.tree()) == 2 and sim.tree()[1], 10, what="EngineCore")
+    wait_for(lambda: (root / "proc" / str(core) / "fdinfo" / "8").exists(), 10, what="the core's fdinfo")
+    r = subprocess.run([sys.executable, "-m", "gpuguard", "status", "--sysfs-root", str(root)], capture_output=True,
+                       text=True, timeout=60)
+    assert "GPU processes:" in r.stdout, r.stdout + r.stderr
+    (line,) = [l for l in r.stdout.splitlines() if f"pid {core} " in l]
+    assert line.split() == ["card0000:aa:00.0", "pid", str(core), "VLLM::EngineCor", "(no", "engine)", "256", "MiB"]
+    r = subprocess.run([sys.executable, "-m", "gpuguard", "status", "--json", "--sysfs-root", str(root)],
+                       capture_output=True, text=True, timeout=60)
+    (hold,) = [p for p in __import__("json").loads(r.stdout)["gpu_processes"]["processes"] if p["pid"] == core]
+    assert hold["vram_bytes"] == 256 * 2**20 and hold["engine"] is None and hold["bdf"] == "0000:aa:00.0"

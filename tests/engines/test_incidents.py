@@ -132,6 +132,32 @@ def test_pyspy_stacks_name_the_function_a_stalled_python_engine_is_stuck_in(sims
     assert "loop (gpuguard/sim/engines_core.py" in text, text  # where the stuck thread is
 
 
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy (pip install py-spy) and ptrace")
+def test_pyspy_stacks_of_a_sigstopped_python_engine(sims, tmp_path):
+    """A frozen engine (state T) cannot be suspended by py-spy ("Failed to suspend process"):
+    it is already stopped, so its stacks are read without suspending it."""
+    sim = sims("llamacpp")
+    store = IncidentStore(tmp_path / "incidents", collector_timeout=30)
+    events: list = []
+    wd = EngineWatchdog([_cfg(sim, action="alert")], lambda r: None, events.append, incidents=store)
+
+    async def scenario():
+        await asyncio.to_thread(sim.control, "requests", count=1)
+        assert await run_watchdog_until(wd, lambda: (s := wd.snapshots().get("e")) and s.tokens_per_second, 20)
+        os.kill(sim.pid, signal.SIGSTOP)
+        try:
+            assert await run_watchdog_until(wd, lambda: "engine_incident" in _kinds(events), 20)
+            await store.aclose(60)
+        finally:
+            os.kill(sim.pid, signal.SIGCONT)
+
+    asyncio.run(scenario())
+    (folder,) = (tmp_path / "incidents").iterdir()
+    assert json.loads((folder / "processes.json").read_text())[0]["state"] == "T"
+    text = (folder / f"py-spy-{sim.pid}.txt").read_text()
+    assert "Thread" in text and "main-loop" in text and "exited" not in text, text
+
+
 def test_bundles_are_bounded_in_size_and_count(tmp_path):
     store = IncidentStore(tmp_path / "incidents", max_bundles=3, max_bytes=4000, pyspy=None)
 

@@ -12,14 +12,24 @@ Each card starts from the H200's own answers in the capture (its power-limit con
   * locked clocks hold the graphics clock inside the range unless a power cap pulls it
     below (then the SW power cap reason is set), as the H200 showed under load;
   * a card can appear late (device count grows after `appears_after` count calls) and
-    can be lost (GpuIsLost on every call).
+    can be lost (GpuIsLost on every call);
+  * a card can refuse this caller even as root (`no_permission`: a vGPU or passthrough
+    card whose hypervisor forbids clock and power changes answers NoPermission);
+  * a GPU reset (`reset_gpu`, what `nvidia-smi -r` or a recovery does) puts the default
+    power limit back and drops the locked clocks, silently.
 Every write is logged in `writes` as (card index, call, args) so tests can check order.
+
+With `telemetry` (an NvmlTimeline of the recorded H200) the calls this fake does not
+model (temperatures, utilisation, field values, events) answer as the real card did, so
+the daemon's NVML poller can read the fake like a host; what the fake models (limits,
+clocks, clock-event reasons, the enforced limit) answers from the fake's own state.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CAPTURE = Path(__file__).resolve().parent.parent / "fixtures" / "h200" / "nvml-capture.json"
 
@@ -62,6 +72,7 @@ class FakeCard:
     external_limit_mw: int | None = None  # another limit holding the enforced one lower
     loaded: bool = False  # under load the 700 W cap pulls the graphics clock down
     lost: bool = False
+    no_permission: bool = False  # the driver refuses this caller on this card
     limit_mw: int = H200["default_mw"]
     gpu_locked: tuple[int, int] | None = None
     mem_locked: tuple[int, int] | None = None
@@ -69,8 +80,10 @@ class FakeCard:
 
 
 class FakeNvml:
-    def __init__(self, cards: list[FakeCard], root: bool = True, appears_after: dict[int, int] | None = None) -> None:
+    def __init__(self, cards: list[FakeCard], root: bool = True, appears_after: dict[int, int] | None = None,
+                 telemetry: Any = None) -> None:
         self.cards = cards
+        self.telemetry = telemetry
         self.root = root
         self.appears_after = appears_after or {}  # card index -> count calls before it shows
         self.count_calls = 0
@@ -78,6 +91,29 @@ class FakeNvml:
         for name in ("NVMLError_NoPermission", "NVMLError_NotSupported", "NVMLError_InvalidArgument",
                      "NVMLError_GpuIsLost"):
             setattr(self, name, globals()[name])
+
+    def __getattr__(self, attr: str) -> Any:
+        telemetry = self.__dict__.get("telemetry")
+        if telemetry is None or not attr.startswith("nvml"):
+            raise AttributeError(attr)
+        answer = getattr(telemetry, attr)
+
+        def call(*args: Any) -> Any:
+            if args and isinstance(args[0], int):  # a device handle of this fake
+                self._card(args[0])  # a lost card answers nothing
+                args = (object(), *args[1:])  # the recording keys device handles as "h"
+            return answer(*args)
+
+        return call
+
+    def reset_gpu(self, h: int) -> None:
+        """A GPU reset: the driver's defaults again (nothing is logged as a write)."""
+        c = self.cards[h]
+        c.limit_mw, c.gpu_locked, c.mem_locked = H200["default_mw"], None, None
+
+    def writes_of(self, h: int) -> list[str]:
+        """The calls written to one card, in order, as `call(args)`."""
+        return [f"{call}({', '.join(map(str, args))})" for i, call, args in self.writes if i == h]
 
     # -- discovery ------------------------------------------------------------------------
     def _visible(self) -> list[int]:
@@ -153,7 +189,7 @@ class FakeNvml:
     # -- writes (NVML's rules) --------------------------------------------------------------
     def _write(self, h: int, call: str, args: tuple) -> FakeCard:
         c = self._card(h)
-        if not self.root:
+        if not self.root or c.no_permission:
             raise NVMLError_NoPermission("Insufficient Permissions")
         self.writes.append((h, call, args))
         return c

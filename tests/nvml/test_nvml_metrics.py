@@ -2,6 +2,7 @@
 with promtool when it is installed."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -9,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.hw.nvml import NvmlSource
+from gpuguard.hw.nvml import NvmlSource, RecordedNvml
 from gpuguard.hw.nvml_replay import NvmlTimeline
 from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.state.hub import HostSnapshot, Hub
+
+from .test_nvml_replay import FIXTURE as V1_ONLY, with_v2
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "h200"
 
@@ -54,6 +57,19 @@ def test_throttle_energy_memory_temperature_on_metrics():
 def test_process_memory_on_metrics():
     text = scrape("load", "nvml-capture-short.json")
     assert value(text, 'gpuguard_gpu_process_vram_used_bytes{gpu="h200",pid="668"}') == 2795503616
+
+
+def test_vram_used_and_reserved_on_metrics_as_nvidia_smi_reports_them():
+    """Issue 14 on /metrics: the idle H200's 615 MiB driver reserve is its own series
+    (DCGM_FI_DEV_FB_RESERVED), not counted in used (0, as nvidia-smi says)."""
+    src = NvmlSource(RecordedNvml(with_v2(json.loads(V1_ONLY.read_text()))))
+    (dev,) = src.discover()
+    hub = Hub()
+    hub.publish_snapshot(HostSnapshot(time=time.time(), gpus=(src.read(dev, "h200"),)))
+    v = MetricsSink(hub).registry.get_sample_value
+    assert v("gpuguard_gpu_vram_reserved_bytes", {"gpu": "h200"}) == 644939776
+    assert v("gpuguard_gpu_vram_used_bytes", {"gpu": "h200"}) == 0
+    assert v("gpuguard_gpu_vram_total_bytes", {"gpu": "h200"}) == 150754820096
 
 
 def test_promtool_accepts_the_scrape(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.hw.nvml import NvmlSource, RecordedNvml, normalise_bus_id
+from gpuguard.hw.nvml import NvmlSource, RecordedNvml
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "h200" / "nvml-h200.json"
 # NVML's v1 and v2 memory answers on the same H200 (driver 580.159.04), read on the real
@@ -52,11 +52,6 @@ def test_without_nvml_v2_used_is_v1s_figure_and_the_reserve_is_named_unknown():
     assert snap.vram_used_bytes == 644939776 and snap.vram_reserved_bytes is None
     assert "includes the driver's reserve" in snap.extra["nvml_unsupported"]["vram_reserved"]
     assert "vram_reserved" not in snap.errors  # a missing v2 is not a poll error
-
-
-def test_bus_id_is_normalised_to_sysfs_form():
-    assert normalise_bus_id("00000000:00:06.0") == "0000:00:06.0"
-    assert normalise_bus_id(b"00000001:3B:00.0") == "0001:3b:00.0"
 
 
 def test_discovers_the_h200_by_pci_address(source):

@@ -5,6 +5,7 @@ link to its report, no request leaves the host, no console error, and the page f
 phone. A screenshot of each view is written (to $GPUGUARD_SCREENSHOTS when set)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -200,4 +201,47 @@ def test_page_actions_post_only_with_a_token(demo, browser, wait_for):
     assert posts == [base + "/v1/engines/vllm-demo/kill"]
     engines = httpx.get(base + "/v1/engines", timeout=10).json()
     assert engines[0]["last_action"] in (None, "") or "kill" not in str(engines[0]["last_action"])
+    page.close()
+
+
+def test_incident_bundles_listed_after_a_stall_and_each_opens_its_report(demo, browser, screens, wait_for):
+    """Issue 22 on the page: the stalled engine's bundle appears in the Engines view with its
+    engine, time, reason and whether it is complete, and its link renders the bundle. Runs
+    last: the stall gets the demo's engine killed."""
+    base = demo["base"]
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    watch = Watch(page, base)
+    page.goto(base + "/#engines")
+    page.wait_for_selector("#incident-table", timeout=30_000)
+    assert page.locator("#incident-table tr[data-incident]").count() == 0  # none before the stall
+    res = subprocess.run([sys.executable, "-m", "gpuguard", "sim", "--control", demo["sock"], "engine", "stall"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    row = '#incident-table tr[data-incident^="vllm-demo-"]'
+    wait_for(lambda: page.locator(row).count() == 1 and "complete" in page.locator(row).inner_text(), timeout=120,
+             what="the stall's bundle listed as complete on the page", interval=0.5)
+    (bundle,) = httpx.get(base + "/v1/incidents", timeout=10).json()
+    cells = page.locator(row).locator("td").all_inner_texts()
+    assert cells[0] == "vllm-demo" and cells[2] == bundle["reason"] and cells[3] == "complete", cells
+    assert page.locator(row).get_attribute("data-incident") == bundle["name"]
+    href = page.locator(row).locator("a.report").get_attribute("href")
+    assert href == f"/incident?name={bundle['name']}"
+    page.screenshot(path=str(screens / "page-incidents.png"))
+
+    page.goto(base + href)
+    assert page.locator("#headline").inner_text().startswith(f"{bundle['reason']} vllm-demo")
+    procs = json.loads((Path(bundle["path"]) / "processes.json").read_text())
+    section = page.locator(f'section.process[data-pid="{procs[0]["pid"]}"]')
+    assert section.locator("td.state").first.inner_text() == procs[0]["state"]
+    assert section.locator("td.wchan").first.inner_text() == (procs[0]["wchan"] or "-")
+    assert page.locator("svg.figure path.series").count() > 4  # engine readings and the XTX pair's telemetry
+    page.screenshot(path=str(screens / "incident-report.png"), full_page=False)
+    png = httpx.get(base + f"/incident.png?name={bundle['name']}", timeout=30)
+    assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
+    # only a listed bundle renders: a path is never followed
+    for name in ("nope", "../" + bundle["name"], bundle["path"]):
+        assert httpx.get(base + "/incident", params={"name": name}, timeout=10).status_code == 404, name
+
+    assert watch.foreign() == [], f"requests leaving the host: {watch.foreign()}"
+    assert watch.problems == [], watch.problems
     page.close()

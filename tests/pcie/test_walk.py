@@ -371,3 +371,15 @@ def test_json_schema_keys_are_stable(incident):
         "across_numa_nodes", "verdict",
     }
     assert set(d["pairs"][0]["directions"][0]) == {"from", "to", "possible", "reason"}
+
+
+def test_kernel_vram_lines_are_attributed_by_the_one_address_finder():
+    """amdgpu's `Detected VRAM` line names its card; on a VMD host the domain has 5 digits."""
+    from gpuguard.hw.pcie import kernel_vram
+
+    lines = ["amdgpu 10000:e1:00.0: amdgpu: Detected VRAM RAM=24560M, BAR=256M",
+             "amdgpu 0000:05:00.0: amdgpu: Detected VRAM RAM=32624M, BAR=32768M"]
+    assert kernel_vram(lines, ["10000:e1:00.0", "0000:aa:00.0"]) == {"10000:e1:00.0": (24560, 256)}
+    # A line without an address is amdgpu's own only when one AMD GPU exists.
+    assert kernel_vram(["[drm] Detected VRAM RAM=24560M, BAR=256M"], ["0000:aa:00.0"]) == {"0000:aa:00.0": (24560, 256)}
+    assert kernel_vram(["[drm] Detected VRAM RAM=24560M, BAR=256M"], ["0000:aa:00.0", "0000:b0:00.0"]) == {}

@@ -44,14 +44,14 @@ def snap(name, mhz, busy=1.0, model="XTX"):
 
 def test_effective_check_incident_3():
     prof = ("cap1500", Profile(sclk_max_mhz=1500))
-    observed, f = effective_findings((snap("xtx-a", 1233), snap("xtx-b", 1480)), {"xtx-a": prof, "xtx-b": prof})
+    observed, f, _ = effective_findings((snap("xtx-a", 1233), snap("xtx-b", 1480)), {"xtx-a": prof, "xtx-b": prof})
     kinds = {(x.gpu, x.kind) for x in f}
     assert ("xtx-a", "below_limit") in kinds and ("xtx-a", "card_mismatch") in kinds
     assert "runs at 1233 MHz" in next(x.message for x in f if x.kind == "below_limit")
     assert observed == {"xtx-a": 1233, "xtx-b": 1480}
-    _, f = effective_findings((snap("xtx-a", 2371),), {"xtx-a": prof})
+    _, f, _ = effective_findings((snap("xtx-a", 2371),), {"xtx-a": prof})
     assert [x.kind for x in f] == ["above_limit"]
-    _, f = effective_findings((snap("xtx-a", 400, busy=0.1),), {"xtx-a": prof})
+    _, f, _ = effective_findings((snap("xtx-a", 400, busy=0.1),), {"xtx-a": prof})
     assert f == []  # idle: no finding
 
 
@@ -60,7 +60,7 @@ def test_card_against_card_whatever_the_profiles():
     and the finding names both and the limit on the slow one."""
     limited = ("xtx-1500", Profile(sclk_max_mhz=1500))
     a, b = snap("xtx-a", 1233), snap("xtx-b", 1802)
-    _, f = effective_findings((a, b), {"xtx-a": limited})
+    _, f, _ = effective_findings((a, b), {"xtx-a": limited})
     mm = [x for x in f if x.kind == "card_mismatch"]
     assert [(x.gpu, x.peer) for x in mm] == [("xtx-a", "xtx-b")]
     assert "xtx-a and xtx-b (XTX) disagree" in mm[0].message and "1233" in mm[0].message and "1802" in mm[0].message
@@ -70,7 +70,7 @@ def test_card_against_card_whatever_the_profiles():
 
     a2 = GpuSnapshot(**{**a.__dict__, "od": OdState("rdna3", {"sclk_max_mhz": 1500})})
     b2 = GpuSnapshot(**{**b.__dict__, "od": OdState("rdna3", {"sclk_max_mhz": 2500})})
-    _, f = effective_findings((a2, b2), {})
+    _, f, _ = effective_findings((a2, b2), {})
     assert [x.kind for x in f] == ["card_mismatch"] and "OD SCLK maximum reads 1500 MHz" in f[0].message
     # Not comparable load, or a different model: no finding.
     assert effective_findings((a, snap("xtx-b", 1802, busy=0.5)), {}, busy=0.4)[1] == []
@@ -91,7 +91,7 @@ def test_ledger_metrics():
     led.record(CardResult("xtx-a", "0000:aa:00.0", "cap1500", "ok", True, "y"))
     led.record(CardResult("xtx-b", "0000:b0:00.0", "cap1500", "refused", False, "z"))
     led.set_effective({"xtx-a": ("cap1500", 1233.0)},
-                      [ClockFinding("xtx-a", "cap1500", "below_limit", 1233.0, 1500, "m")])
+                      [ClockFinding("xtx-a", "cap1500", "below_limit", 1233.0, 1500, "m")], ())
 
     class C(Collector):
         def collect(self):

@@ -43,7 +43,30 @@ def read_local_doc(sysfs_root: str, config: Any) -> dict[str, Any]:
     finally:
         poller.close()
     return {"gpus": [g.to_dict() for g in snap.gpus], "summary": hub.gpus.summary(),
-            "missing": [{"gpu": m.name, "match": m.match, "why": m.why} for m in hub.gpus.missing()]}
+            "missing": [{"gpu": m.name, "match": m.match, "why": m.why} for m in hub.gpus.missing()],
+            "gpu_processes": local_gpu_processes(root, {g.bdf: g.name for g in snap.gpus})}
+
+
+def local_gpu_processes(root: Any, names: dict[str, str]) -> dict[str, Any]:
+    """Without a daemon: the DRM clients under the root's /proc (no engine is known here)."""
+    import time
+
+    from gpuguard.engines.attribution import scan_fdinfo
+
+    procs = [{"gpu": names.get(g.bdf, g.bdf), "bdf": g.bdf, "pid": g.pid, "comm": g.comm, "engine": None,
+              "vram_bytes": g.vram_bytes, "source": g.source} for g in scan_fdinfo(root.path("/proc"))]
+    return {"scanned_at": time.time(), "processes": sorted(procs, key=lambda p: (p["gpu"], p["pid"]))}
+
+
+def render_processes(doc: dict[str, Any] | None) -> str:
+    """One line per process holding a GPU: `xtx-0  pid 4242  VLLM::EngineCor  engine vllm-a  512 MiB`."""
+    procs = (doc or {}).get("processes") or []
+    if not procs:
+        return ""
+    rows = [[p["gpu"], f"pid {p['pid']}", p["comm"], f"engine {p['engine']}" if p.get("engine") else "(no engine)",
+             "?" if p.get("vram_bytes") is None else f"{p['vram_bytes'] / 2**20:.0f} MiB"] for p in procs]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "GPU processes:\n" + "\n".join("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def ask_daemon(base: str) -> dict[str, Any] | None:
@@ -171,6 +194,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         if doc.get("summary"):
             print(doc["summary"])  # configured vs present: `3/4 GPUs up; missing xtx-0 (1002:744c #0)`
         print(render_table(gpus, doc.get("profiles")))
+        procs = render_processes(doc.get("gpu_processes"))
+        if procs:
+            print("\n" + procs)
         for m in missing:
             print(f"MISSING {m['gpu']} ({m['match']}): {m['why']}")
     return 0 if all(g["up"] for g in gpus) and not missing else 1

@@ -82,7 +82,8 @@ class RecorderConfig(Strict):
     # INCIDENTS §2: samples written to /tmp were lost in the reboot the trip caused.
     path: str = "/var/lib/gpuguard/flight.sqlite"
     keep_seconds: float = Field(86400.0, ge=60)
-    # issue 12: bounded by size too (pages in use), pruned oldest first; ~9 MB/GPU/day at 1 s (bench/recorder_size.py)
+    # bounded by size too (pages in use), pruned oldest first; ~16-21 MB/GPU/day at 1 s with the
+    # power sampler's rows (bench/recorder_size.py)
     max_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)
 
 

@@ -167,7 +167,7 @@ class IncidentStore:
         if self.pyspy:
             for snap in procs:
                 if is_python(snap) and not snap.get("gone"):
-                    collectors.append(self._pyspy(snap["pid"]))
+                    collectors.append(self._pyspy(snap["pid"], stopped=snap.get("state") in ("T", "t")))
         elif any(is_python(s) for s in procs):
             bundle.notes.append("py-spy not installed: no Python stacks (pip install py-spy; needs CAP_SYS_PTRACE)")
         if self.context is not None:
@@ -183,9 +183,13 @@ class IncidentStore:
         task.add_done_callback(self.pending.discard)
         return bundle
 
-    def _pyspy(self, pid: int) -> Collector:
+    def _pyspy(self, pid: int, stopped: bool = False) -> Collector:
+        # A frozen engine (SIGSTOP, state T) cannot be suspended by py-spy ("Failed to
+        # suspend process"); it is not running, so reading it without suspending is exact.
+        args = ["dump", "--pid", str(pid)] + (["--nonblocking"] if stopped else [])
+
         async def run() -> dict[str, Any]:
-            proc = await asyncio.create_subprocess_exec(self.pyspy, "dump", "--pid", str(pid), stdout=asyncio.subprocess.PIPE,
+            proc = await asyncio.create_subprocess_exec(self.pyspy, *args, stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.STDOUT)
             try:
                 out, _ = await proc.communicate()

@@ -85,6 +85,7 @@ class EngineWatchdog:
         self.incidents = incidents
         self.gpu_telemetry = gpu_telemetry  # GPU name -> {"busy_ratio", "power_watts"}, now
         self._gpu_procs: list[GpuProcess] = []
+        self.gpu_processes_at: float | None = None  # when the last attribution scan finished
         self._audit_sink = audit
         self._publish_sink = publish
         self._clock = clock
@@ -205,6 +206,7 @@ class EngineWatchdog:
             return []
         found = await asyncio.to_thread(self.attribution.scan)
         self._gpu_procs = found
+        self.gpu_processes_at = self._clock()
         by_pid: dict[int, list[GpuProcess]] = {}
         for g in found:
             by_pid.setdefault(g.pid, []).append(g)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from gpuguard.hw import nvml_calls as C
 from gpuguard.hw.nvml_health import read_health
+from gpuguard.hw.pci_address import normalise_bus_id
 from gpuguard.state.snapshot import GpuSnapshot
 
 NOT_SUPPORTED_NAMES = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
@@ -37,14 +38,6 @@ class NvmlDevice:
     uuid: str
     driver: str = "nvidia"
     card: str | None = None
-
-
-def normalise_bus_id(bus_id: str | bytes) -> str:
-    """NVML's `00000000:19:00.0` → sysfs's `0000:19:00.0`."""
-    if isinstance(bus_id, bytes):
-        bus_id = bus_id.decode()
-    domain, rest = bus_id.lower().split(":", 1)
-    return f"{int(domain, 16):04x}:{rest}"
 
 
 def _err_name(e: BaseException) -> str:

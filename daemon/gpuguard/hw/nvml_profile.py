@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from gpuguard.hw import nvml_calls as C
+from gpuguard.hw.nvml import normalise_bus_id
 from gpuguard.hw.nvml_health import decode_reasons
 from gpuguard.profiles.apply import CardResult
 from gpuguard.profiles.schema import Profile
@@ -228,6 +229,14 @@ class NvmlApplier:
         n = self.nvml
         try:
             h = n.nvmlDeviceGetHandleByIndex(index)
+            # NVML's indices follow the PCI order of the cards present now: a card that
+            # appeared (or left) since the index was taken moves the others. Never write
+            # the card next door (INCIDENTS §2: the glob matched one card).
+            pci = n.nvmlDeviceGetPciInfo(h)
+            at = normalise_bus_id(getattr(pci, "busIdLegacy", None) or pci.busId)
+            if at != bdf:
+                return CardResult(**base, result="error", verified=False,
+                                  message=f"NVML device {index} is {at} now, not {bdf}; nothing written")
             lim = self.limits(h)
             try:
                 plan = make_plan(lim)
@@ -347,25 +356,69 @@ async def apply_all(applier: NvmlApplier, discover: Callable[[], Iterable[Any]],
 class VendorApplier:
     """`profiles.apply.Applier`'s apply/reset for a mixed host: NVIDIA cards (by PCI
     address) go through NVML, every other card to the amdgpu applier. Same CardResult,
-    so `gpuguard apply` prints one table for both."""
+    so `gpuguard apply` prints one table for both and the daemon keeps one ledger.
 
-    def __init__(self, amd: Any, nvml_applier: NvmlApplier, nvidia_devices: Iterable[Any]) -> None:
+    With `discover` (the daemon: NVML's own discovery), the NVIDIA list is taken again
+    for every card operation: a card that appeared late is found, and an index that moved
+    with it is never used."""
+
+    def __init__(self, amd: Any, nvml_applier: NvmlApplier, nvidia_devices: Iterable[Any] = (),
+                 discover: Callable[[], Iterable[Any]] | None = None) -> None:
         self.amd = amd
         self.nv = nvml_applier
         self.devices = {d.bdf: d for d in nvidia_devices}
+        self.discover = discover
+
+    # the daemon's reload sets these once for both vendors
+    @property
+    def retries(self) -> int:
+        return self.nv.retries
+
+    @retries.setter
+    def retries(self, n: int) -> None:
+        self.nv.retries = self.amd.retries = n
+
+    @property
+    def backoff(self) -> float:
+        return self.nv.backoff
+
+    @backoff.setter
+    def backoff(self, s: float) -> None:
+        self.nv.backoff = self.amd.backoff = s
+
+    def _nvidia(self, bdf: str) -> Any | None:
+        if self.discover is not None:
+            try:
+                self.devices = {d.bdf: d for d in self.discover()}
+            except Exception as e:  # NVML down: the cards it listed before are still NVIDIA's
+                log.warning("NVML discovery for %s failed: %s: %s", bdf, _name(e), e)
+        return self.devices.get(bdf)
 
     def apply(self, target: Any, profile_name: str, profile: Profile, who: str, why: str,
               dry_run: bool = False) -> CardResult:
-        d = self.devices.get(target.bdf)
+        d = self._nvidia(target.bdf)
         if d is None:
             return self.amd.apply(target, profile_name, profile, who, why, dry_run)
         return self.nv.apply(d.index, target.name, target.bdf, profile_name, profile, who, why, dry_run)
 
     def reset(self, target: Any, who: str, why: str, dry_run: bool = False) -> CardResult:
-        d = self.devices.get(target.bdf)
+        d = self._nvidia(target.bdf)
         if d is None:
             return self.amd.reset(target, who, why, dry_run)
         return self.nv.reset(d.index, target.name, target.bdf, who, why, dry_run)
+
+    def read(self, target: Any) -> Any:
+        """What the confirm window keeps to revert to. NVML cannot read locked clocks back
+        (there is no getter), so a revert could not be verified: refused, by name."""
+        if self._nvidia(target.bdf) is None:
+            return self.amd.read(target)
+        raise NvmlRevertUnsupported(
+            f"{target.name} ({target.bdf}) is an NVIDIA card: NVML has no read-back of locked clocks, so the state "
+            "before cannot be restored and verified; apply without confirm_within (reset restores the defaults)")
+
+
+class NvmlRevertUnsupported(Exception):
+    pass
 
 
 def host_nvidia(root: str, audit: Callable[[dict], None] | None = None, retries: int = 3,

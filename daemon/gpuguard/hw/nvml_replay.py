@@ -2,7 +2,8 @@
 
 `NvmlTimeline` answers like the `pynvml` module: discovery calls from the capture's
 discovery record, poll calls from the current sample (`select(i)` / `advance()` walks the
-idle → load → after timeline), event waits in recorded order. Errors come back as
+idle → load → after timeline), event waits in recorded order (then, like the driver, a wait blocks for its timeout
+unless an event arrives: `deliver()` hands one in, as a card raising an Xid would). Errors come back as
 exception classes with NVML's own names (`NVMLError_NotSupported`), so the reader's
 error handling is the code that ran on the real card. A call the capture never made is
 `NVMLError_FunctionNotFound`: the replay never invents an answer.
@@ -13,6 +14,7 @@ which is what bench/nvml_poll_cost.py needs to weigh the driver against the Pyth
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -70,6 +72,7 @@ class NvmlTimeline:
         self._sample_index = [_index(s["calls"]) for s in self.samples]
         self._events = list(capture.get("events", []))
         self._event_pos = 0
+        self._arrived = threading.Condition()
         self.latency = latency
         self._errors: dict[str, type] = {}
         self.sample = 0
@@ -110,7 +113,8 @@ class NvmlTimeline:
 
         def call(*args: Any) -> Any:
             if attr.startswith("nvmlEventSetWait"):
-                return self._answer(self._next_event(), attr)
+                timeout_ms = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+                return self._answer(self._next_event(timeout_ms / 1000.0), attr)
             key = _key(attr, args)
             ans = self._sample_index[self.sample].get(key) or self._discovery.get(key)
             if ans is None:
@@ -119,12 +123,21 @@ class NvmlTimeline:
 
         return call
 
-    def _next_event(self) -> dict | None:
-        if self._event_pos >= len(self._events):
-            return None
-        e = self._events[self._event_pos]
-        self._event_pos += 1
-        return e
+    def deliver(self, answer: dict) -> None:
+        """An event the card raises now, shaped as a recorded one (`{"result": ...}`)."""
+        with self._arrived:
+            self._events.append(answer)
+            self._arrived.notify_all()
+
+    def _next_event(self, timeout: float = 0.0) -> dict | None:
+        with self._arrived:
+            # the recorded events at once; past them, wait as nvmlEventSetWait does
+            self._arrived.wait_for(lambda: self._event_pos < len(self._events), timeout)
+            if self._event_pos >= len(self._events):
+                return None
+            e = self._events[self._event_pos]
+            self._event_pos += 1
+            return e
 
     def _answer(self, ans: dict | None, attr: str) -> Any:
         if ans is None:

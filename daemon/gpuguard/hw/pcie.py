@@ -62,17 +62,15 @@ from itertools import combinations
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from gpuguard.hw.pci_address import BDF_PATTERN, CANONICAL_RE as BDF_RE, short_bdf
+from gpuguard.hw.pci_address import CANONICAL_RE as BDF_RE, ROOT_BUS_RE, addresses_in, host_bridge, short_bdf
 from gpuguard.hw.pcie_config import AtomicOps, PcieConfig, parse_config
 from gpuguard.hw.pcie_p2p import Cpu, PeerDirection, direction, parse_cpuinfo, path_rule, refusals, summary
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 SCHEMA_VERSION = 1
-ROOT_BUS_RE = re.compile(r"^pci([0-9a-f]{4,}):([0-9a-f]{2})$")
 SPEED_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*GT/s")
 DPM_PCIE_RE = re.compile(r"^\s*\d+:\s*([0-9.]+)\s*GT/s,\s*x(\d+)\b.*\*\s*$", re.M)
 VRAM_LINE_RE = re.compile(r"Detected VRAM RAM=(\d+)M, BAR=(\d+)M")
-LINE_BDF_RE = re.compile(rf"\b({BDF_PATTERN})\b")
 
 GPU_VENDORS = {"1002": "AMD", "10de": "NVIDIA", "8086": "Intel"}
 GPU_DRIVERS = {"amdgpu", "nvidia", "nouveau", "radeon", "i915", "xe"}
@@ -778,10 +776,10 @@ def kernel_vram(lines: Iterable[str], gpu_bdfs: list[str]) -> dict[str, tuple[in
         if not m:
             continue
         fig = (int(m.group(1)), int(m.group(2)))
-        b = LINE_BDF_RE.search(line)
-        if b and b.group(1) in gpu_bdfs:
-            found[b.group(1)] = fig
-        elif not b and len(gpu_bdfs) == 1:
+        named = addresses_in(line)
+        if named and named[0] in gpu_bdfs:
+            found[named[0]] = fig
+        elif not named and len(gpu_bdfs) == 1:
             found[gpu_bdfs[0]] = fig
     return found
 
@@ -794,10 +792,9 @@ def is_gpu(vendor: str | None, class_code: str | None, driver: str | None) -> bo
 
 
 def _host_bridge(root: SysfsRoot, complex_: str, cache: dict[str, _Device | None]) -> str | None:
-    m = ROOT_BUS_RE.match(complex_)
-    if not m:
+    bdf = host_bridge(complex_)
+    if bdf is None:
         return None
-    bdf = f"{m.group(1)}:{m.group(2)}:00.0"
     dev = cache.get(bdf)
     if dev is None and root.exists(f"/sys/bus/pci/devices/{bdf}"):
         dev = _read_device(root, bdf, root.realpath(f"/sys/bus/pci/devices/{bdf}"))

@@ -33,12 +33,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from gpuguard.hw.pcie import is_gpu
-from gpuguard.hw.pci_address import CANONICAL_RE as BDF_RE
+from gpuguard.hw.pci_address import CANONICAL_RE as BDF_RE, ROOT_BUS_RE, host_bridge
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 MAGIC = "# gpuguard pcie capture v1"
 BUS = "/sys/bus/pci/devices"
-ROOT_BUS_RE = re.compile(r"^pci([0-9a-f]{4,}):([0-9a-f]{2})$")
 HEX_ROW_RE = re.compile(r"^ ([0-9a-f]{4,}): ((?:[0-9a-f]{2} ?){1,16})$")
 NO_NEWLINE = "\\ no newline at end of file"
 
@@ -182,8 +181,7 @@ def capture_lines(root: SysfsRoot, *, all_devices: bool = False, note: str = "")
         for p in _chain(root, bdf):
             device_paths[p.rsplit("/", 1)[-1]] = p
     for comp in sorted(complexes):
-        m = ROOT_BUS_RE.match(comp)
-        hb = f"{m.group(1)}:{m.group(2)}:00.0"
+        hb = host_bridge(comp)
         if root.exists(f"{BUS}/{hb}"):
             device_paths.setdefault(hb, root.realpath(f"{BUS}/{hb}"))
 

@@ -52,8 +52,13 @@ class ProfileActions:
         return r.to_dict()
 
     async def snapshot_state(self, gpu: str) -> dict[str, Any]:
+        from gpuguard.hw.nvml_profile import NvmlRevertUnsupported
+
         target = self._target(gpu)
-        reading = await self.rt.calls.run(self.rt.applier.read, target, timeout=self.rt.cfg.apply.timeout_seconds)
+        try:
+            reading = await self.rt.calls.run(self.rt.applier.read, target, timeout=self.rt.cfg.apply.timeout_seconds)
+        except NvmlRevertUnsupported as e:
+            raise ActionRefused(str(e)) from None
         values = {k: v for k, v in reading.values().items() if k in SETTINGS or k == "performance_level"}
         return values
 

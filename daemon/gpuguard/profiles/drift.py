@@ -18,9 +18,40 @@ def snapshot_values(snap: GpuSnapshot) -> dict[str, Any]:
     return out
 
 
+# Clock-event reasons that hold a clock below a locked minimum while the lock is still
+# set (the H200 ran 1425-1470 MHz under its 700 W cap): the lock did not go, no drift.
+HOLDING = frozenset({"sw_power_cap", "hw_slowdown", "hw_thermal", "sw_thermal", "power_brake", "sync_boost"})
+
+
+def nvidia_drift(snap: GpuSnapshot, expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]] | None:
+    """The same for a card applied through NVML (hw/nvml_profile.NvmlPlan.expected): the
+    enforced power limit, and the graphics/memory clock against the locked range. A GPU
+    reset puts the default limit back and drops the locks, silently, as on amdgpu."""
+    if not snap.up:
+        return None
+    out: dict[str, tuple[Any, Any]] = {}
+    if "power_cap_w" in expected and snap.power_cap_watts is not None:
+        now = int(round(snap.power_cap_watts))
+        if now != expected["power_cap_w"]:
+            out["power_cap_w"] = (expected["power_cap_w"], now)
+    throttle = ((snap.extra or {}).get("nvml") or {}).get("throttle") or {}
+    held = HOLDING & set(throttle.get("active") or ())
+    for key, clock in (("sclk_locked_mhz", "sclk"), ("mclk_locked_mhz", "mclk")):
+        hz = snap.clocks_hz.get(clock)
+        if key not in expected or hz is None:
+            continue
+        lo, hi = (int(x) for x in str(expected[key]).split("-"))
+        mhz = int(round(hz / 1e6))
+        if mhz > hi or (mhz < lo and not held):
+            out[key] = (expected[key], mhz)
+    return out
+
+
 def drift(snap: GpuSnapshot, expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]] | None:
     """setting -> (profile value, value now) for what drifted; None when this snapshot
     cannot tell (GPU down, asleep, OD not read) — absence of data is not drift."""
+    if snap.driver == "nvidia":
+        return nvidia_drift(snap, expected)
     if not snap.up or snap.od is None or snap.runtime_status in ("suspended", "suspending"):
         return None
     now = snapshot_values(snap)

@@ -69,10 +69,15 @@ def effective_findings(
     in_effect: Mapping[str, tuple[str, Profile]],  # gpu name -> (profile name, profile) on the card now
     busy: float = 0.8,
     tolerance: float = 0.15,
-) -> tuple[dict[str, float], list[ClockFinding]]:
-    """(observed SCLK MHz under load per GPU, findings)."""
+) -> tuple[dict[str, float], list[ClockFinding], frozenset[str]]:
+    """(observed SCLK MHz under load per GPU, findings, the GPUs compared with a twin).
+
+    A card is judged against its limit only when observed under load, and against its twins
+    only when compared (a twin of the same model observed at comparable load): a card not
+    judged this poll has no verdict, which is not the same as agreement."""
     observed: dict[str, float] = {}
     findings: list[ClockFinding] = []
+    compared: set[str] = set()
     for g in gpus:
         mhz = loaded_sclk_mhz(g, busy)
         if mhz is None:
@@ -105,6 +110,7 @@ def effective_findings(
             peers = [o for o in members if o is not slow and abs((o.busy_ratio or 0) - (slow.busy_ratio or 0)) <= COMPARABLE_LOAD]
             if not peers:
                 continue
+            compared.add(slow.name)
             fast = max(peers, key=lambda o: observed[o.name])
             ref = observed[fast.name]
             if ref <= 0 or (ref - mhz) / ref <= tolerance:
@@ -114,4 +120,4 @@ def effective_findings(
                 f"{slow.name} and {fast.name} ({slow.model}) disagree: {slow.name} runs {mhz:.0f} MHz under "
                 f"load, {fast.name} {ref:.0f} MHz at comparable load; likely cause: {likely_cause(slow, fast, in_effect)}",
                 peer=fast.name))
-    return observed, findings
+    return observed, findings, frozenset(compared)

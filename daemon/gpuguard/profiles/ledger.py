@@ -7,7 +7,7 @@ import collections
 import dataclasses
 import threading
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -44,9 +44,13 @@ class ProfileLedger:
                 self.in_effect[r.gpu] = None if r.profile == "stock" else r.profile
             # The inputs changed (applied, reverted, reset): no finding outlives its cause;
             # the next poll judges the card afresh.
-            self.findings = {g: [x for x in fs if x.peer != r.gpu] for g, fs in self.findings.items() if g != r.gpu}
-            self.findings = {g: fs for g, fs in self.findings.items() if fs}
-            self.observed_mhz.pop(r.gpu, None)
+            self._forget(r.gpu)
+
+    def _forget(self, gpu: str) -> None:
+        """Drop every finding about `gpu` or naming it as the peer (lock held)."""
+        self.findings = {g: [x for x in fs if x.peer != gpu] for g, fs in self.findings.items() if g != gpu}
+        self.findings = {g: fs for g, fs in self.findings.items() if fs}
+        self.observed_mhz.pop(gpu, None)
 
     def profile_in_effect(self, gpu: str) -> tuple[bool, str | None]:
         """(known, profile name): known is False before any write was recorded for `gpu`."""
@@ -56,23 +60,32 @@ class ProfileLedger:
     def mark_lost(self, gpu: str) -> None:
         """A card gone from the bus has no profile in effect (issue 21: it kept reporting
         verified 1): its state becomes `lost`. Not an apply, so not counted; the card gets
-        its profile applied again when it comes back (lifecycle.on_appear)."""
+        its profile applied again when it comes back (lifecycle.on_appear). Its clock findings,
+        and its twins' findings against it, go: a held verdict must not outlive its card."""
         with self._lock:
+            self._forget(gpu)
             r = self.results.get(gpu)
             if r is not None and r.result != "lost":
                 self.results[gpu] = dataclasses.replace(
                     r, result="lost", verified=False,
                     message=f"{gpu} is lost from the bus; profile {r.profile} is applied again when it comes back")
 
-    def set_effective(self, observed: Mapping[str, tuple[str, float]], findings: Iterable[ClockFinding]) -> None:
-        """This poll's verdicts. A card not under load now was not judged: its last verdict
-        holds (load swinging idle/busy is not a cause going away); `record` drops it."""
+    def set_effective(self, observed: Mapping[str, tuple[str, float]], findings: Iterable[ClockFinding],
+                      compared: Collection[str]) -> None:
+        """This poll's verdicts. A finding not judged this poll holds: a limit finding while
+        its card is not under load, a card-against-card finding while no twin is at
+        comparable load (load swinging idle/busy is not a cause going away: with the
+        lifecycle's clear-after-1 debounce, a twin idling every few polls cleared and raised
+        INCIDENTS §3's finding again and again). It clears when a judgement shows agreement;
+        `record` and `mark_lost` drop it when its cause goes."""
         with self._lock:
+            def judged(x: ClockFinding) -> bool:
+                return x.gpu in compared if x.kind == "card_mismatch" else x.gpu in observed
+
             f: dict[str, list[ClockFinding]] = {}
-            for x in findings:
+            for x in [x for fs in self.findings.values() for x in fs if not judged(x)] + list(findings):
                 f.setdefault(x.gpu, []).append(x)
-            held = {g: fs for g, fs in self.findings.items() if g not in observed}
-            self.findings = {**held, **f}
+            self.findings = f
             self.observed_mhz = {**{g: v for g, v in self.observed_mhz.items() if g not in observed}, **observed}
 
     def finding_list(self) -> list[ClockFinding]:

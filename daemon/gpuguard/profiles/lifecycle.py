@@ -47,7 +47,7 @@ VIEW = "profiles"
 class ProfileRuntime:
     def __init__(self, cfg: ProfilesConfig, gpus: GpuStates, hub: Hub, root: SysfsRoot,
                  discover: Callable[[], Awaitable[Any]] | None = None, applier: Applier | None = None,
-                 guard: SafeModeGuard | None = None) -> None:
+                 guard: SafeModeGuard | None = None, nvml: Any = None) -> None:
         self.cfg = cfg
         self.gpus = gpus
         self.hub = hub
@@ -57,10 +57,7 @@ class ProfileRuntime:
         self.audit = AuditLog(audit_path(cfg.state_dir))
         self._stop = threading.Event()  # ends retry backoff sleeps in apply threads at SIGTERM
         a = cfg.apply
-        self.applier = applier or Applier(
-            root, audit=self.audit, kernel_reason=KmsgReasons(root), retries=a.retries, backoff=a.backoff_seconds,
-            sleep=self._sleep, may_write=gpus.may_write,
-        )
+        self.applier = applier or self._applier(root, gpus, nvml)
         self.guard = guard or SafeModeGuard(cfg.state_dir, root, a.safe_mode_window_seconds, a.safe_mode_after_crashes)
         self.calls = DeviceCalls("gpuguard-apply")
         # Debounce: a clock must contradict for two polls in a row before it alerts (a
@@ -71,6 +68,20 @@ class ProfileRuntime:
         self.busy: set[str] = set()  # bdfs with an apply queued or running
         self._lock: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
+
+    def _applier(self, root: SysfsRoot, gpus: GpuStates, nvml: Any) -> Any:
+        """amdgpu through sysfs; with an NVML source (`nvml`: hw/nvml.NvmlSource) NVIDIA
+        cards through NVML — the same gate (`may_write`), retries, audit and CardResult."""
+        a = self.cfg.apply
+        amd = Applier(root, audit=self.audit, kernel_reason=KmsgReasons(root), retries=a.retries,
+                      backoff=a.backoff_seconds, sleep=self._sleep, may_write=gpus.may_write)
+        if nvml is None:
+            return amd
+        from gpuguard.hw.nvml_profile import NvmlApplier, VendorApplier
+
+        nv = NvmlApplier(nvml.nvml, audit=self.audit, retries=a.retries, backoff=a.backoff_seconds,
+                         sleep=self._sleep, is_lost=lambda bdf: not gpus.may_write(bdf))
+        return VendorApplier(amd, nv, discover=nvml.discover)
 
     def _sleep(self, seconds: float) -> None:
         self._stop.wait(seconds)
@@ -224,10 +235,11 @@ class ProfileRuntime:
             self.reconcile()
             if self.cfg.apply.effective_check:
                 on_card = {g.name: p for g in snap.gpus if (p := self.in_effect(g))}
-                observed, findings = effective_findings(snap.gpus, on_card, self.cfg.apply.effective_busy_ratio,
-                                                        self.cfg.apply.effective_tolerance_ratio)
+                observed, findings, compared = effective_findings(
+                    snap.gpus, on_card, self.cfg.apply.effective_busy_ratio, self.cfg.apply.effective_tolerance_ratio)
                 self.ledger.set_effective(
-                    {g: (on_card[g][0] if g in on_card else "", mhz) for g, mhz in observed.items()}, findings)
+                    {g: (on_card[g][0] if g in on_card else "", mhz) for g, mhz in observed.items()}, findings,
+                    compared)
                 # One event when a clock finding starts, one when it ends (issue 14).
                 for ev in self.clock_conditions.update({
                     (x.gpu, x.kind): Event(f"clock_{x.kind}", "warning", "profiles", x.message, gpu=x.gpu,
@@ -288,7 +300,8 @@ class ProfileRuntime:
 def attach(daemon: Any) -> ProfileRuntime:
     """Wire profiles into `daemon` (hooks, metrics, view, API provider). Returns the runtime."""
     rt = ProfileRuntime(ProfilesConfig.from_root(daemon.config), daemon.hub.gpus, daemon.hub, daemon.root,
-                        discover=daemon.poller.discover)
+                        discover=daemon.poller.discover,
+                        nvml=next((s for s in daemon.sources if getattr(s, "name", "") == "nvml"), None))
     rt.audit._log.health = getattr(daemon, "state_dir", None)  # /healthz, STATUS= (issue 12)
     daemon.on_ready.append(rt.on_ready)
     daemon.poller.on_cycle.append(rt.on_cycle)

@@ -81,6 +81,9 @@ def status_document(hub: Hub) -> dict[str, Any]:
         # per GPU: the profile, whether it read back equal, and the effective-clock
         # findings ("profile applied but card runs at 1233 MHz", INCIDENTS §3)
         "profiles": jsonable(hub.view("profiles") or {}),
+        # which processes hold each GPU (pid, comm, engine, VRAM), from the engine
+        # watchdog's DRM fdinfo / NVML scan; absent when no watchdog runs (engines: [])
+        "gpu_processes": jsonable(hub.view("gpu_processes") or {"scanned_at": None, "processes": []}),
     }
 
 

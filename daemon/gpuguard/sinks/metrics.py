@@ -116,7 +116,7 @@ class HubCollector(Collector):
             if g.od is not None:
                 for setting, v in sorted(g.od.settings.items()):
                     od.add_metric([g.name, setting], v)
-        yield from (info, up, suspended, power, cap, cap_min, cap_max, cap_def, temp, tlim, clock, fan, busy, vused, vtotal, vvis, volt, od)
+        yield from (info, up, suspended, power, cap, cap_min, cap_max, cap_def, temp, tlim, clock, fan, busy, vused, vtotal, vvis, vres, volt, od)
 
 
 class MetricsSink:

@@ -2,7 +2,9 @@
 HTML/JS/CSS shipped in the package under sinks/page/, no framework, no CDN: it works on an
 air-gapped host), the history it charts (`GET /v1/history`, from the flight recorder) and
 incident reports rendered on demand (`GET /report?event=ID|at=T`, the same report as
-`gpuguard report`).
+`gpuguard report`), and engine incident bundles rendered the same way
+(`GET /incident?name=NAME`, the report of `gpuguard report --incident NAME`; NAME as
+`GET /v1/incidents` lists it, never a path).
 
 Same access rules as the read API (sinks/api.py `read_access`); the page's actions go
 through the existing POST endpoints with the bearer token the user types in — nothing here
@@ -20,6 +22,7 @@ import json
 import time
 from importlib import resources
 from typing import Callable
+from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, Response
@@ -186,3 +189,24 @@ def mount_page(app: FastAPI, recorder: Callable[[], FlightRecorder | None]) -> N
     def report_png(event: int | None = Query(None, ge=1), at: float | None = None,
                    before: float = Query(120, ge=1, le=86400), after: float = Query(60, ge=0, le=86400)) -> Response:
         return Response(_report(event, at, before, after).png, media_type="image/png")
+
+    def _incident(name: str, png_name: str | None = None):
+        from gpuguard.report.incident import BundleError, make_incident_report
+
+        provider = getattr(app.state.actions, "incidents", None)
+        listed = {b["name"]: b["path"] for b in (provider() if provider is not None else [])}
+        if name not in listed:  # only a listed bundle: the name is never joined into a path
+            raise HTTPException(404, detail=f"no incident bundle named {name!r} (GET /v1/incidents lists them)")
+        try:
+            return make_incident_report(listed[name], png_name=png_name)
+        except BundleError as e:
+            raise HTTPException(404, detail=str(e)) from None
+
+    @app.get("/incident", include_in_schema=False, dependencies=read)
+    def incident(name: str = Query(..., max_length=200)) -> HTMLResponse:
+        rep = _incident(name, png_name=f"/incident.png?name={quote(name)}")
+        return HTMLResponse(rep.html, headers={"Content-Security-Policy": REPORT_CSP})
+
+    @app.get("/incident.png", include_in_schema=False, dependencies=read)
+    def incident_png(name: str = Query(..., max_length=200)) -> Response:
+        return Response(_incident(name).png, media_type="image/png")

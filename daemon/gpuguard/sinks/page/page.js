@@ -8,7 +8,7 @@ const PALETTE = ["#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9
 const REFRESH_MS = 2000;
 
 const state = {
-  range: 900, hist: null, histOk: null, lastT: 0, live: {}, status: null, engines: null, pcie: null,
+  range: 900, hist: null, histOk: null, lastT: 0, live: {}, status: null, engines: null, incidents: null, pcie: null,
   profiles: null, config: null, events: [], lastEventT: 0, view: "gpus", pcieAt: 0,
 };
 
@@ -278,7 +278,31 @@ function renderEngines() {
     frag.append(charts);
   }
   if (!engines.length) frag.append(el("p", { text: "no engines configured (engines: in gpuguard.yaml)" }));
+  if (state.incidents) frag.append(incidentTable(state.incidents));
   box.replaceChildren(frag);
+}
+
+// The evidence each stall (and kill) left under state_dir/incidents, newest first; the
+// link renders the bundle as a report (the same as `gpuguard report --incident NAME`).
+function incidentState(b) {
+  if (!b.complete) return "writing";
+  const abandoned = (b.notes || []).filter(n => n.includes("abandoned")).length;
+  return abandoned ? `abandoned (${abandoned} part${abandoned > 1 ? "s" : ""})` : "complete";
+}
+function incidentTable(bundles) {
+  const tb = el("tbody");
+  for (const b of [...bundles].reverse()) {
+    const link = el("a", { href: `/incident?name=${encodeURIComponent(b.name)}`, class: "report", target: "_blank",
+      rel: "noopener", text: "report" });
+    const st = incidentState(b);
+    tb.append(el("tr", { "data-incident": b.name, class: st === "complete" ? "" : "warning" },
+      el("td", { text: b.engine || "" }), el("td", { text: b.time != null ? clock(b.time) : b.name }),
+      el("td", { text: b.reason || "" }), el("td", { class: "sev", text: st }), el("td", {}, link)));
+  }
+  if (!bundles.length) tb.append(el("tr", {}, el("td", { colspan: "5", text: "no incident bundles yet" })));
+  return el("div", { class: "incidents" }, el("h2", { text: "Incident bundles" }),
+    el("table", { id: "incident-table" }, el("thead", {}, el("tr", {},
+      ...["engine", "time", "reason", "bundle", "report"].map(h => el("th", { text: h })))), tb));
 }
 
 function renderPcie() {
@@ -384,13 +408,14 @@ async function refresh(full) {
     const optional = p => getJSON(p).catch(e => (e.status === 501 || e.status === 503 ? null : Promise.reject(e)));
     // every read at once: the first paint waits for the slowest, not for their sum
     const wantConfig = full || !state.config, wantPcie = full || now() - state.pcieAt > 10;
-    const [status, engines, config, profiles, pcie] = await Promise.all([
+    const [status, engines, config, profiles, pcie, , incidents] = await Promise.all([
       getJSON("/v1/status"), optional("/v1/engines"),
       wantConfig ? optional("/v1/config") : state.config, wantConfig ? optional("/v1/profiles") : state.profiles,
       wantPcie ? optional("/v1/pcie") : state.pcie,
       state.histOk !== false ? loadHistory(full) : null,
+      optional("/v1/incidents"),
     ]);
-    Object.assign(state, { status, engines, config, profiles, pcie });
+    Object.assign(state, { status, engines, config, profiles, pcie, incidents });
     if (wantPcie) state.pcieAt = now();
     if (state.histOk === false) { sampleLive(status.gpus); await loadLiveEvents(); }
     setStatus(`updated ${clock(now())}`);
