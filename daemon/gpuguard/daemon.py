@@ -142,7 +142,9 @@ class Daemon:
         # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
         self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
         # Thermal emergency / power at cap as events too, not only Prometheus alerts (issue 21).
-        self.poller.on_cycle.append(GpuConditions(self.hub.publish).observe)
+        conditions = GpuConditions(self.hub.publish)
+        self.poller.on_cycle.append(conditions.observe)
+        self.metrics.add_producer(conditions.collect)
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:

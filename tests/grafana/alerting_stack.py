@@ -47,6 +47,11 @@ def seconds(d: str) -> float:
 
 # Floors of the scaled `for:` (s): a scrape that times out on a loaded machine is not gpuguard down.
 FOR_FLOOR = {"GpuguardDown": 6}
+# Thresholds in seconds inside an expression, scaled like the `for:` durations: (alert, the
+# text as shipped, its seconds, the floor). GpuguardNotPolling's 60 s of poll silence: at
+# 1/20 that is 3 s, but a sample scraped every 2 s is up to ~2 s old when evaluated and a
+# late scrape on a loaded machine adds more, so at least 10 s (5 scrape intervals).
+EXPR_SECONDS = [("GpuguardNotPolling", "> 60", 60, 10)]
 
 
 def render_rules(dest: Path, scale: float = 1 / 20) -> dict[str, float]:
@@ -55,6 +60,10 @@ def render_rules(dest: Path, scale: float = 1 / 20) -> dict[str, float]:
     fors = {}
     for g in doc["groups"]:
         for r in g["rules"]:
+            for alert, text, secs, floor in EXPR_SECONDS:
+                if r["alert"] == alert:
+                    assert text in r["expr"], f"{alert}: expected {text!r} in its expression to scale"
+                    r["expr"] = r["expr"].replace(text, f"> {max(floor, round(secs * scale))}")
             f = seconds(r["for"])
             short = 0 if f == 0 else max(1, FOR_FLOOR.get(r["alert"], 1), round(f * scale))
             r["for"] = f"{short}s"
@@ -88,7 +97,7 @@ class Proc:
 
 
 class Sim(Proc):
-    def __init__(self, tmp: Path, scenario: str = "incident") -> None:
+    def __init__(self, tmp: Path, scenario: str = "incident", step_interval: float = 0, kmsg: bool = False) -> None:
         try:
             from gpuguard.sim.fuse import fuse_available
         except (ImportError, OSError) as e:  # no mfusepy, or no libfuse (FUSE_LIBRARY_NAME=none)
@@ -97,10 +106,14 @@ class Sim(Proc):
         if reason:
             pytest.skip(f"FUSE not usable here ({reason}); CI runs this as root with fuse3 installed")
         self.mount, self.sock = tmp / "root", str(tmp / "sim.sock")
+        # The simulated kernel log as kernel records (sim/kmsg_pipe.py): kernel.kmsg_path of
+        # the daemon, never the machine's own /dev/kmsg.
+        self.kmsg_fifo = tmp / "kmsg.fifo" if kmsg else None
         super().__init__("sim", [sys.executable, "-m", "gpuguard.sim.fuse", str(self.mount), "--scenario", scenario,
-                                 "--step-interval", "0", "--control", self.sock], tmp / "sim.log")
-        poll_until(lambda: self.alive() and (self.mount / "sys/bus/pci/devices").is_dir() and os.path.exists(self.sock),
-                   30, "the FUSE sim to mount")
+                                 "--step-interval", str(step_interval), "--control", self.sock,
+                                 *(["--kmsg", str(self.kmsg_fifo)] if kmsg else [])], tmp / "sim.log")
+        poll_until(lambda: self.alive() and (self.mount / "sys/bus/pci/devices").is_dir() and os.path.exists(self.sock)
+                   and (not kmsg or self.kmsg_fifo.exists()), 30, "the FUSE sim to mount")
 
     def ctl(self, op: str, **args):
         from gpuguard.sim.control import send
@@ -138,6 +151,42 @@ class Gpuguard(Proc):
         return None
 
 
+class NvmlHost(Gpuguard):
+    """`gpuguard run` on the recorded H200 (gpuguard.sim.nvml_host): its NVML answers as
+    captured under load, faults injected through `ctl`."""
+
+    CAPTURE = REPO / "tests" / "fixtures" / "h200" / "nvml-capture.json"
+    BDF = "0000:00:06.0"  # the H200's address in the capture
+
+    def __init__(self, tmp: Path, config_text: str = "") -> None:
+        tmp.mkdir(exist_ok=True)
+        (tmp / "sys").mkdir(exist_ok=True)  # no amdgpu card: the GPU is NVML's
+        self.sock = str(tmp / "nvml.sock")
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cfg = tmp / "gpuguard.yaml"
+        cfg.write_text(f"""
+sysfs_root: {tmp / 'sys'}
+state_dir: {tmp / 'state'}
+recorder: {{enabled: false}}
+listen: {{address: 127.0.0.1, port: {self.port}}}
+kernel: {{kmsg_path: {tmp / 'no-kmsg'}, udev: false}}
+poll: {{interval_seconds: 0.25, discover_seconds: 1, pcie_interval_seconds: 600}}
+gpus:
+  - {{name: h200, match: {{bdf: "{self.BDF}"}}}}
+""" + config_text)
+        Proc.__init__(self, "gpuguard on the recorded H200",
+                      [sys.executable, "-m", "gpuguard.sim.nvml_host", "--capture", str(self.CAPTURE),
+                       "--control", self.sock, "--", "run", "--config", str(cfg)], tmp / "gpuguard.log",
+                      env={**os.environ, "PYTHONPATH": str(REPO / "daemon")})
+        poll_until(self.healthy, 60, f"gpuguard on the H200 replay {self.base} (log {self.log_path})")
+
+    def ctl(self, op: str, **args):
+        from gpuguard.sim.control import send
+
+        return send(self.sock, op, **args)
+
+
 class Alertmanager(Proc):
     """The shipped example config (its inhibit rules) with the test's receiver and short timings:
     one group per alert (`group_by: ['...']`), so each alert is one notification."""
@@ -172,14 +221,15 @@ class Alertmanager(Proc):
 
 
 class Prometheus(Proc):
-    def __init__(self, tmp: Path, rules: Path, target_port: int, am_port: int) -> None:
+    def __init__(self, tmp: Path, rules: Path, target_port: int | list[int], am_port: int) -> None:
         self.port = free_port()
+        ports = target_port if isinstance(target_port, list) else [target_port]
         config = {
             "global": {"scrape_interval": "2s", "evaluation_interval": "1s", "scrape_timeout": "2s"},
             "rule_files": [str(rules)],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
             "scrape_configs": [{"job_name": "gpuguard",
-                                "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}],
+                                "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}],
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.api = httpx.Client(base_url=f"http://127.0.0.1:{self.port}/api/v1", timeout=5)

@@ -142,3 +142,31 @@ def test_the_load_history_survives_a_restart_and_reaches_doctor(tmp_path):
     assert seen and all(ln.startswith("FAIL") and "downgraded under load (seen at" in ln for ln in seen), seen
     (tmp_path / "sim/proc/stat").write_text("btime 9000\n")  # rebooted since: the link trained again
     assert all(ln.startswith("OK") for ln in doctor("--history", history))
+
+
+def test_a_link_event_at_a_switch_port_carries_the_name_of_the_gpus_behind_it(tmp_path):
+    """A finding placed at a hop (a switch port, not the card) is named after the GPU whose
+    path holds it; a port shared by both XTX cards names both; an address on no GPU's path
+    stays unnamed (issue 21: `"gpu": null` on pcie_link events)."""
+    from gpuguard.hw.pcie import walk
+
+    host = SimHost(incident_spec())
+    write_tree(host, str(tmp_path / "sim"))
+    root = SysfsRoot(str(tmp_path / "sim"))
+    report = walk(root)
+    names = {XTX[0]: "xtx-0", XTX[1]: "xtx-1"}
+    watch = PcieWatch(Hub(), root, gpu_names=lambda: names)
+    path0 = [h.bdf for h in report.gpu(XTX[0]).hops if h.bdf != XTX[0]]
+    path1 = {h.bdf for h in report.gpu(XTX[1]).hops}
+    own = next(b for b in reversed(path0) if b not in path1)  # xtx-0's slot port on the switch
+    shared = next(b for b in reversed(path0) if b in path1)  # the switch port both cards sit behind
+
+    def named(bdf: str) -> str | None:
+        return watch._named(Event("pcie_link", "alert", "pcie", f"{bdf}: link downgraded", bdf=bdf), report).gpu
+
+    assert named(own) == "xtx-0"
+    assert named(shared) == "xtx-0,xtx-1"
+    assert named(XTX[1]) == "xtx-1"
+    assert named("0000:ee:00.0") is None
+    # an event already naming its GPU keeps it
+    assert watch._named(Event("pcie_link", "alert", "pcie", "x", bdf=own, gpu="other"), report).gpu == "other"

@@ -57,3 +57,25 @@ def test_a_lost_card_raises_nothing():
     cond = GpuConditions(got.append)
     cond.observe(HostSnapshot(time=0, gpus=(_gpu(120, 360, up=False),)))
     assert got == []
+
+
+def test_each_condition_start_is_counted_per_gpu_and_kind():
+    """gpuguard_gpu_conditions_total: a thermal emergency or a minute at the cap counts even
+    where the webhook failed and no Prometheus saw the gauge (a 1 s spike between scrapes)."""
+    from prometheus_client import CollectorRegistry
+
+    cond = GpuConditions(lambda e: None)
+    reg = CollectorRegistry()
+    reg.register(cond)
+
+    def count(kind: str) -> float | None:
+        return reg.get_sample_value("gpuguard_gpu_conditions_total", {"gpu": "xtx-0", "kind": kind})
+
+    # every GPU seen starts at 0 for both kinds: the first one is an increase, not a new series
+    _run(cond, [(0, 100, 200)])
+    assert (count("thermal_emergency"), count("power_at_cap")) == (0.0, 0.0)
+    _run(cond, [(1, 116, 200), (2, 114, 200), (3, 116, 200), (4, 100, 200), (5, 116, 200)])
+    assert count("thermal_emergency") == 2.0  # hysteresis: the hover at the line is one
+    _run(cond, [(10, 80, 350), (70, 80, 350), (80, 80, 200), (90, 80, 350), (151, 80, 350)])
+    assert count("power_at_cap") == 2.0
+    assert count("thermal_emergency") == 2.0

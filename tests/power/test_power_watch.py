@@ -102,3 +102,31 @@ def test_reload_with_a_new_rate_restarts_the_threads_and_dropping_the_budget_end
         assert not old.thread.is_alive()
     finally:
         watch.close()
+
+
+def test_peaks_wandering_around_the_line_are_one_alert_cleared_only_clearly_below_for_n_intervals_in_a_row():
+    """INCIDENTS §2: a loaded host's peaks wander around the alert line; each dip below it
+    is not the supply out of danger. The alert is raised once and clears only after
+    clear_after_intervals intervals in a row clear_margin_ratio of the supply under the line."""
+    from gpuguard.hw.power_sampler import PowerWindow
+    from gpuguard.policy.psu import PsuBudget
+
+    cfg = PowerConfig(psu_watts=1000, other_watts=0, margin_ratio=0.2, clear_margin_ratio=0.05, clear_after_intervals=3)
+    budget = PsuBudget(cfg)  # alert line 800 W, clear line 750 W
+
+    def interval(peak_w: float, t: float):
+        w = PowerWindow("a", A, "power1_average", t - 0.25, t, 5, peak_w, peak_w, peak_w * 0.7)
+        hp, events = budget.evaluate({"a": w}, t)
+        return hp.alerting, [e.kind for e in events]
+
+    t = iter(range(1, 1000))
+    assert interval(820, next(t)) == (True, ["power_headroom_low"])
+    # under the alert line but not under the clear line, for long: the same condition
+    for peak in [790, 760, 799, 751] * 5:
+        assert interval(peak, next(t)) == (True, [])
+    # clearly under it, but not for 3 intervals in a row: still alerting, no new alert
+    for peak in (700, 700, 780, 700, 700, 820, 700, 700):
+        assert interval(peak, next(t)) == (True, [])
+    assert interval(700, next(t)) == (False, ["power_headroom_ok"])  # the third in a row
+    assert interval(790, next(t)) == (False, [])  # below the line: nothing to say
+    assert interval(800, next(t)) == (True, ["power_headroom_low"])  # back at the line: a new condition

@@ -243,14 +243,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     control_path = args.control or default_socket()
     demo_info: dict = {}
 
-    def kmsg(text: str, level: int = 3, bdf: str | None = None) -> dict:
-        if not 0 <= int(level) <= 7:  # a printk level; anything else reads as user space
-            raise ValueError(f"kernel log level {level} is not 0..7 (3 = err, 4 = warning, 6 = info)")
-        if "\n" in text:
-            raise ValueError("one kernel log line at a time (no newline in the text)")
-        rec = host.kernel_log.add(int(level), text, bdf)
-        return {"seq": rec.seq, "text": text}
+    from gpuguard.sim.kmsg_pipe import kmsg_op
 
+    kmsg = kmsg_op(host.kernel_log)
     ops = {
         "demo": lambda: demo_info,
         "load": lambda bdf, level=None: load.pin(bdf, level),

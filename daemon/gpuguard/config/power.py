@@ -23,4 +23,10 @@ class PowerConfig(BaseModel):
     # default: 20–50 Hz samples of an averaged sensor under-read the millisecond transients
     # a supply's protection reacts to.
     margin_ratio: float = Field(0.25, ge=0, lt=1.0)
-    clear_after_intervals: int = Field(5, ge=1, le=1000, description="intervals below the line before the alert clears")
+    # Hysteresis: the alert clears only after this many intervals in a row with the peaks
+    # clear_margin_ratio · psu_watts under the line. Peaks of a loaded host wander around the
+    # line (INCIDENTS §2: 249–289 W per card); clearing on the first dips re-raised it again
+    # and again, one page per dip, for what is one condition.
+    clear_margin_ratio: float = Field(0.05, ge=0, lt=1.0, description="share of psu_watts under the line that counts as clear")
+    clear_after_intervals: int = Field(5, ge=1, le=1000,
+                                       description="intervals in a row clear of the line before the alert clears")

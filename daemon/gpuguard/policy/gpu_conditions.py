@@ -4,10 +4,17 @@ the same figures; these events reach the webhooks (and `gpuguard events`) even w
 Prometheus is watching, as the notifier's contract says of a thermal emergency.
 
 Debounced like the kernel conditions: one event when a condition starts, one `_cleared`
-(info) when it ends, with hysteresis so a value hovering at the line does not flap."""
+(info) when it ends, with hysteresis so a value hovering at the line does not flap.
+Each start is counted in `gpuguard_gpu_conditions_total{gpu,kind}`, born at 0 for every GPU
+seen: a 1 s spike over the emergency line between two scrapes is still an increase that
+Prometheus sees, even when the webhook that carried the event failed."""
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
+from typing import Iterable
+
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from gpuguard.state.events import Event
 from gpuguard.state.hub import HostSnapshot
@@ -34,9 +41,14 @@ class GpuConditions:
         self.hot: set[tuple[str, str]] = set()  # (gpu, sensor) at emergency
         self.at_cap_since: dict[str, float] = {}  # gpu -> first poll at the cap
         self.at_cap: set[str] = set()  # gpus announced at the cap
+        self.starts: collections.Counter = collections.Counter()  # (gpu, kind) -> conditions started
+
+    KINDS = ("thermal_emergency", "power_at_cap")
 
     def observe(self, snap: HostSnapshot) -> None:
         for g in snap.gpus:
+            for kind in self.KINDS:
+                self.starts.setdefault((g.name, kind), 0)
             if not g.up:
                 continue  # a lost card's last figures are not news; gpu_lost says it
             self._thermal(g)
@@ -50,6 +62,7 @@ class GpuConditions:
             key = (g.name, sensor)
             if key not in self.hot and temp >= limit:
                 self.hot.add(key)
+                self.starts[(g.name, "thermal_emergency")] += 1
                 self.publish(Event(
                     "thermal_emergency", "critical", "poller",
                     f"GPU {g.name} {sensor} at {temp:.0f} °C, at or over its emergency limit {limit:.0f} °C: "
@@ -70,6 +83,7 @@ class GpuConditions:
             since = self.at_cap_since.setdefault(g.name, now)
             if g.name not in self.at_cap and now - since >= s.power_hold_seconds:
                 self.at_cap.add(g.name)
+                self.starts[(g.name, "power_at_cap")] += 1
                 self.publish(Event(
                     "power_at_cap", "alert", "poller",
                     f"GPU {g.name} has drawn {g.power_watts:.0f} W of its {g.power_cap_watts:.0f} W cap for "
@@ -83,3 +97,11 @@ class GpuConditions:
                 self.publish(Event("power_at_cap_cleared", "info", "poller",
                                    f"GPU {g.name} below its power cap again ({g.power_watts:.0f} W)",
                                    gpu=g.name, bdf=g.bdf, fields={"watts": g.power_watts}))
+
+    def collect(self) -> Iterable[Metric]:
+        """The metrics sink's producer (and a prometheus_client collector, for tests)."""
+        fam = CounterMetricFamily("gpuguard_gpu_conditions", "Alert-grade GPU conditions started (thermal "
+                                  "emergency, a minute at the power cap)", labels=["gpu", "kind"])
+        for (gpu, kind), n in sorted(self.starts.items()):
+            fam.add_metric([gpu, kind], n)
+        yield fam

@@ -3,8 +3,9 @@ against the supply (INCIDENTS §2: two R9700 tripped a 1300 W supply at an avera
 263 W each — the averages looked safe, the transients were not).
 
 Owns: `HostPower` (one interval's verdict), the headroom alert with its hysteresis
-(raised when peaks + `other_watts` reach `psu_watts · (1 - margin_ratio)`, cleared after
-`clear_after_intervals` intervals below the line) and the advice: which cap or clock /
+(raised when peaks + `other_watts` reach `psu_watts · (1 - margin_ratio)`, cleared only
+after `clear_after_intervals` intervals in a row at least `clear_margin_ratio · psu_watts`
+under that line: one condition, one alert, however the peaks wander around the line) and the advice: which cap or clock /
 voltage offsets would restore the margin, from the observed peak-to-average ratio. Pure
 logic over sampler windows and the poll snapshot; writes nothing.
 """
@@ -181,7 +182,13 @@ class PsuBudget:
         self.psu_w = config.psu_watts
         self.other_w = config.other_watts
         self.margin = config.margin_ratio
+        self.clear_margin = config.clear_margin_ratio
         self.clear_after = config.clear_after_intervals
+
+    @property
+    def clear_w(self) -> float | None:
+        """The line the peaks must stay under for the alert to clear."""
+        return None if self.psu_w is None else self.psu_w * (1.0 - self.margin - self.clear_margin)
 
     @property
     def limit_w(self) -> float | None:
@@ -205,13 +212,15 @@ class PsuBudget:
                     self.alerting = True
                     events.append(self._alert(peak_sum, mean_sum, limit, sampled, advice, now))
             elif self.alerting:
-                self._below += 1
+                # between the clear line and the alert line: still the same condition
+                self._below = self._below + 1 if peak_sum + self.other_w < self.clear_w else 0
                 if self._below >= self.clear_after:
                     self.alerting = False
                     events.append(Event(
                         "power_headroom_ok", "info", "power",
                         f"PSU headroom back: GPU peaks {peak_sum:.0f} W + other {self.other_w:.0f} W = "
-                        f"{peak_sum + self.other_w:.0f} W, under the {limit:.0f} W line for {self._below} intervals",
+                        f"{peak_sum + self.other_w:.0f} W, under {self.clear_w:.0f} W ({limit:.0f} W line less "
+                        f"{self.clear_margin:.0%} of the supply) for {self._below} intervals in a row",
                         time=now,
                         fields={"host_peak_watts": peak_sum + self.other_w, "limit_watts": limit, "psu_watts": self.psu_w},
                     ))

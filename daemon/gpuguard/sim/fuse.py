@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-interval", type=float, default=0.5, help="seconds between model steps (0: never)")
     ap.add_argument("--control", help="UNIX socket path for the control channel")
+    ap.add_argument("--kmsg", metavar="FIFO",
+                    help="deliver the simulated kernel log as kernel records through this FIFO (a daemon's "
+                         "kernel.kmsg_path, sim/kmsg_pipe.py), and serve the control op kmsg(text, level?, bdf?)")
     args = ap.parse_args(argv)
     reason = fuse_available()
     if reason:
@@ -219,7 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: done.set())
-    runner = SimRunner(host, interval=args.step_interval, control_socket=args.control)
+    ops, kpipe = {}, None
+    if args.kmsg:
+        from .kmsg_pipe import KmsgPipe, kmsg_op
+
+        kpipe = KmsgPipe(host.kernel_log, args.kmsg).start()
+        ops["kmsg"] = kmsg_op(host.kernel_log)
+    runner = SimRunner(host, interval=args.step_interval, control_socket=args.control, control_ops=ops)
     runner.start()
     try:
         with mount(host, args.mountpoint):
@@ -232,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         runner.stop()
+        if kpipe is not None:
+            kpipe.stop()
     return 0
 
 

@@ -89,3 +89,17 @@ class KmsgPipe:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def kmsg_op(kernel_log: KernelLog):
+    """The control op that prints one kernel line (`gpuguard sim kmsg`), as a driver would."""
+
+    def kmsg(text: str, level: int = 3, bdf: str | None = None) -> dict:
+        if not 0 <= int(level) <= 7:  # a printk level; anything else reads as user space
+            raise ValueError(f"kernel log level {level} is not 0..7 (3 = err, 4 = warning, 6 = info)")
+        if "\n" in text:
+            raise ValueError("one kernel log line at a time (no newline in the text)")
+        rec = kernel_log.add(int(level), text, bdf)
+        return {"seq": rec.seq, "text": text}
+
+    return kmsg
