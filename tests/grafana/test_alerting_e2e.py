@@ -10,8 +10,8 @@ Rules proven here end to end: GpuguardPcieLinkDowngraded, GpuguardPcieUncorrecta
 GpuguardTemperatureEmergency (+ the NearEmergency inhibition), GpuguardEngineStalled (with
 `action: kill`), GpuguardCacheZeroByteFiles, GpuguardWebhookFailing, GpuguardProfileApplyFailing
 (first refusal), GpuguardProfileUnverified, GpuguardGpuDown (+ the ProfileUnverified inhibition of
-a lost card), GpuguardDown, GpuguardAbsent; GpuguardLargeBarInactive and GpuguardEngineDown may
-fire on the way (the XTX small BAR; the killed engine) and are held to once like the rest. The kernel, PSU, engine-loop,
+a lost card), GpuguardDown, GpuguardAbsent, GpuguardLargeBarInactive (the XTX's small BAR) and
+GpuguardEngineDown (the killed engine, not restarted here). The kernel, PSU, engine-loop,
 poll and NVIDIA rules are proven in test_alerting_e2e_faults.py; every rule also has
 promtool unit tests (grafana/alerts_test.yml)."""
 from __future__ import annotations
@@ -125,6 +125,11 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
     temp = _once(sent, "GpuguardTemperatureEmergency", gpu="xtx-1", sensor="junction")
     stalled = _once(sent, "GpuguardEngineStalled", engine="vllm-a")
     _once(sent, "GpuguardCacheZeroByteFiles", cache="vllm-torch-compile")
+    # The killed engine is not restarted here (no unit, no restart command): it stays down.
+    down_engine = _once(sent, "GpuguardEngineDown", engine="vllm-a")
+    # INCIDENTS §5: the 7900 XTX's 256 MiB BAR on a 24 GiB card; the R9700s have large BAR.
+    small_bar = _once(sent, "GpuguardLargeBarInactive", gpu="xtx-0")
+    assert sent.of("GpuguardLargeBarInactive", gpu="r9700-a") == sent.of("GpuguardLargeBarInactive", gpu="r9700-b") == []
     # The first refusal of a profile: a counter series born at 1 (issue 21: increase() saw 0).
     refused = _once(sent, "GpuguardProfileApplyFailing", gpu="r9700-b", result="refused")
     assert refused[0]["profile"] == "over-cap"
@@ -137,6 +142,7 @@ def test_each_fault_reaches_the_webhook_once_with_gpu_labels_and_resolves(stack)
     assert aer_nonfatal[0]["bdf"] == XTX0 and aer_nonfatal[0]["gpu"] == "xtx-0" and aer_nonfatal[0]["severity"] == "warning"
     assert aer_fatal[0]["gpu"] == "xtx-0"
     assert temp[0]["severity"] == "critical" and stalled[0]["severity"] == "critical"
+    assert down_engine[0]["severity"] and small_bar[0]["severity"]
     # The near-emergency alert is muted by the emergency one (shipped inhibit rule), not sent.
     near = poll_until(lambda: [a for a in am.alerts() if a["labels"]["alertname"] == "GpuguardTemperatureNearEmergency"
                                and a["labels"].get("gpu") == "xtx-1"], TRAVEL_S, "NearEmergency at Alertmanager")
