@@ -49,7 +49,7 @@ def incident(sim_root, tmp_path):
 
     watch = PowerWatch(hub, CONFIG, channels, recorder=recorder)
     metrics = MetricsSink(hub)
-    metrics.add_producer(watch.metrics)
+    metrics.add("power", watch.metrics)
     runner = SimRunner(host, interval=0.02).start()   # the card's time runs on, 50 steps/s
     yield SimpleNamespace(host=host, root=root, hub=hub, watch=watch, metrics=metrics, recorder=recorder)
     watch.close()

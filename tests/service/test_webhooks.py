@@ -126,7 +126,7 @@ def test_dead_webhook_is_counted_and_does_not_delay_a_live_one(receiver):
         metrics = MetricsSink(hub)
         n = WebhookNotifier(hub, [WebhookConfig(url=dead, retries=2, timeout_seconds=1),
                                   WebhookConfig(url=receiver.url)])
-        metrics.add_producer(n.collect)
+        metrics.add("webhooks", n.collect)
         await n.start()
         try:
             t0 = time.monotonic()
