@@ -19,6 +19,8 @@ from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 class Receiver:
     """A real HTTP server that records each POST (arrival time, JSON) and answers with
