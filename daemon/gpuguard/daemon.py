@@ -96,9 +96,7 @@ class Daemon:
         self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds,
                               history_path=os.path.join(config.state_dir, PCIE_HISTORY_FILE),
                               gpu_names=self.gpus.names)
-        self.metrics.add_producer(
-            PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect
-        )
+        self.metrics.add("pcie", PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect)
         self.kernel_actions = KernelActions(self.gpus, self.poller.request_discovery)
         # a GPU lost by any route kills its engines; back, they are restarted (policy/gpu_lifecycle.py)
         self.lifecycle = GpuLifecycle(
@@ -118,7 +116,7 @@ class Daemon:
         self.actions = Actions()  # other parts register providers here (sinks/actions.py)
         self.actions.provide(pcie=self.pcie_document)
         self.webhooks = WebhookNotifier(self.hub, config.webhooks)
-        self.metrics.add_producer(self.webhooks.collect)
+        self.metrics.add("webhooks", self.webhooks.collect)
         self.app = build_app(
             self.hub,
             self.metrics,
@@ -156,7 +154,7 @@ class Daemon:
             rec = self.recorder
             self.poller.on_cycle.append(lambda snap: rec.record(snap, engines=self.hub.view("engines")))
             self.hub.on_event(rec.add_event)  # written with the next cycle's samples (issue 12)
-            self.metrics.add_producer(rec.collect)
+            self.metrics.add("recorder", rec.collect)
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
         if config.engines:
@@ -174,7 +172,7 @@ class Daemon:
             self.engines = EngineWatchdog(config.engines, audit=self._engine_audit, publish=self.hub.publish,
                                           attribution=attribution, incidents=incidents,
                                           gpu_telemetry=host_context.gpu_now(self.hub))
-            self.metrics.add_producer(lambda: engine_metrics(self.engines))
+            self.metrics.add("engines", lambda: engine_metrics(self.engines))
             self.actions.provide_from(EngineActions(self.engines))
             # INCIDENTS §1: a hang on a GPU kills its engines at once; after a reset every
             # context on it is dead, so its engines are restarted (policy/gpu_lifecycle.py).
@@ -193,14 +191,14 @@ class Daemon:
         self.profiles.audit._log.health = self.state_dir  # /healthz, STATUS= (issue 12)
         self.on_ready.append(self.profiles.on_ready)
         self.poller.on_cycle.append(self.profiles.on_cycle)
-        self.metrics.add_producer(self.profiles.ledger.metrics)
+        self.metrics.add("profiles", self.profiles.ledger.metrics)
         self.actions.provide_from(ProfileActions(self.profiles))  # apply/reset/confirm-window routes
         # issue 17: fast power sampling and the PSU budget (INCIDENTS §2)
         from gpuguard.policy.power_watch import PowerWatch, poller_channels
 
         self.power = PowerWatch(self.hub, config.power, poller_channels(self.poller, self.hub), recorder=self.recorder)
         self.poller.on_cycle.append(self.power.on_cycle)
-        self.metrics.add_producer(self.power.metrics)
+        self.metrics.add("power", self.power.metrics)
         self.actions.provide(power=self.power.document)
 
     def _kernel_event(self, e) -> None:

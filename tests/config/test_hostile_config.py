@@ -16,6 +16,9 @@ from hypothesis import strategies as st
 from gpuguard.config import Config, ConfigError
 from gpuguard.config.loader import MAX_BYTES, parse_config_bytes
 
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 NOT_UTF8 = b"poll:\n  interval_seconds: 1\nlogging: {level: \xe9rror}\n"

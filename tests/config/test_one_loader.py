@@ -13,6 +13,9 @@ import pytest
 
 from pcie.conftest import PciTree, incident_host
 
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 UNQUOTED = {

@@ -12,7 +12,9 @@ import sys
 import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def free_port() -> int:

@@ -11,6 +11,9 @@ import time
 import httpx
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse, pytest.mark.network]  # registered in pyproject.toml
+
+
 R9700 = ("0000:05:00.0", "0000:08:00.0")
 XTX = ("0000:aa:00.0", "0000:b0:00.0")
 NAMES = """

@@ -15,6 +15,9 @@ from support import WebhookReceiver
 
 from engines.engines_harness import SimEngine, alive
 
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse, pytest.mark.network]  # registered in pyproject.toml
+
+
 NAMES = """
 poll: {interval_seconds: 0.25, discover_seconds: 1}
 gpus:

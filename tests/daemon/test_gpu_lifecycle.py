@@ -14,6 +14,9 @@ import pytest
 from engines.engines_harness import SimEngine, alive
 from gpuguard.profiles.audit import read_audit
 
+pytestmark = [pytest.mark.slow, pytest.mark.fuse, pytest.mark.network]  # registered in pyproject.toml
+
+
 R9700 = ("0000:05:00.0", "0000:08:00.0")
 XTX = ("0000:aa:00.0", "0000:b0:00.0")
 BY_INDEX = """

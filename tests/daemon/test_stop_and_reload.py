@@ -25,6 +25,9 @@ from gpuguard.profiles.audit import read_audit
 from gpuguard.sim.host import SimHost
 from support import poll_until
 
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.network]  # registered in pyproject.toml
+
+
 REPO = Path(__file__).resolve().parents[2]
 XTX_A, XTX_B = "0000:aa:00.0", "0000:b0:00.0"
 R9700_B = "0000:08:00.0"

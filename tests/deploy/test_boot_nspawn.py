@@ -31,7 +31,10 @@ import nspawn_rootfs as rootfs
 from deploy_harness import REPO
 
 why = rootfs.missing_tools()
-pytestmark = pytest.mark.skipif(why is not None, reason=f"nspawn boot test: {why}")
+pytestmark = [
+    pytest.mark.slow, pytest.mark.root, pytest.mark.network,  # registered in pyproject.toml
+    pytest.mark.skipif(why is not None, reason=f"nspawn boot test: {why}"),
+]
 
 EXE = "/opt/gpuguard/bin/gpuguard"
 ENGINE = "engine-test.service"

@@ -33,10 +33,13 @@ from gpuguard.sim.tree import write_tree
 
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None or ALERTMANAGER is None,
-    reason="needs prometheus and alertmanager (Debian packages: prometheus, prometheus-alertmanager)",
-)
+pytestmark = [
+    pytest.mark.slow, pytest.mark.network,  # registered in pyproject.toml
+    pytest.mark.skipif(
+        PROMETHEUS is None or ALERTMANAGER is None,
+        reason="needs prometheus and alertmanager (Debian packages: prometheus, prometheus-alertmanager)",
+    ),
+]
 
 
 def free_port() -> int:

@@ -15,6 +15,9 @@ import yaml
 from deploy_harness import REPO
 from gpuguard.config import load_config
 
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
+
 K8S = REPO / "deploy" / "kubernetes"
 PROM = REPO / "deploy" / "prometheus"
 AM = REPO / "deploy" / "alertmanager" / "alertmanager.yml"

@@ -18,6 +18,9 @@ from gpuguard.config import load_config
 from gpuguard.install.service import MARK
 from gpuguard.sinks.auth import TokenStore
 
+pytestmark = [pytest.mark.slow, pytest.mark.root]  # registered in pyproject.toml
+
+
 EXE = "/opt/gpuguard/bin/gpuguard"
 SYSTEMCTL = shutil.which("systemctl")
 

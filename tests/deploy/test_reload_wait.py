@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 from deploy_harness import REPO
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def _config(path, state, interval: float) -> None:

@@ -17,6 +17,10 @@ from gpuguard.engines.watchdog import EngineWatchdog
 from gpuguard.hw.nvml import NvmlSource, RecordedNvml
 
 from engines_harness import alive, engine_cfg, run_watchdog_until, wait_for
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 NVML_PROCS = Path(__file__).resolve().parents[1] / "fixtures" / "h200" / "nvml-h200-processes.json"
 

@@ -12,6 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import engine_cfg, free_port, sim_env
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def _cli(*args):

@@ -14,6 +14,8 @@ from gpuguard.engines.process import ProcessLookupFailed, read_proc_stat, resolv
 
 from engines_harness import engine_cfg, wait_for
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 def test_config_errors_name_the_key():
     with pytest.raises(ValidationError, match="exactly one of systemd_unit, cgroup, pid_file, cmdline"):

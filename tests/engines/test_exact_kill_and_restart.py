@@ -16,6 +16,9 @@ from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import DAEMON, alive, engine_cfg, free_port, run_watchdog_until, sim_env, wait_for
 
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.network]  # registered in pyproject.toml
+
+
 CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.procs").exists() else Path("/sys/fs/cgroup")
 
 

@@ -9,6 +9,9 @@ import sys
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import alive, engine_cfg, wait_for
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def test_kill_engines_on_gpu_and_restart(tmp_path, sims):

@@ -8,6 +8,9 @@ import time
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import engine_cfg, run_watchdog_until
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def test_hung_engine_does_not_delay_others(sims):

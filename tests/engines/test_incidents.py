@@ -20,6 +20,9 @@ from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import alive, engine_cfg, run_watchdog_until
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
+
 POLL, GRACE, HTTP_TIMEOUT = 0.25, 0.5, 0.4
 SLACK = 2.0  # a loaded 2-core box
 

@@ -10,6 +10,10 @@ from gpuguard.engines.metrics import engine_metrics
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import alive, engine_cfg, run_watchdog_until
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 STALL_AFTER, POLL, GRACE, HTTP_TIMEOUT = 2.0, 0.25, 1.0, 0.2
 # The poll that decides may wait out one HTTP timeout (a wedged /metrics); on top of that,

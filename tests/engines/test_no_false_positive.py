@@ -10,6 +10,9 @@ import time
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import engine_cfg, run_watchdog_until
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def test_idle_busy_slow_and_long_generation_never_stall(sims):

@@ -21,6 +21,10 @@ import httpx
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import alive, engine_cfg, run_watchdog_until
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 STALL_AFTER, POLL, GRACE, HTTP_TIMEOUT = 1.5, 0.25, 0.5, 0.4
 SLACK = 2.0  # a loaded 2-core box

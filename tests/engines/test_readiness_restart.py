@@ -9,6 +9,10 @@ import asyncio
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import engine_cfg, run_watchdog_until
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 READY_AFTER = 1.5
 

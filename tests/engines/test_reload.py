@@ -8,6 +8,9 @@ import asyncio
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import alive, engine_cfg, run_watchdog_until
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def _cfg(name, sim, **kw):

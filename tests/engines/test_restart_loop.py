@@ -13,6 +13,9 @@ from pathlib import Path
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import engine_cfg, run_watchdog_until, sim_env
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def _tree(root: Path) -> dict[str, int]:

@@ -12,6 +12,9 @@ import httpx
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from engines_harness import alive, engine_cfg, run_watchdog_until, wait_for
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def test_vllm_loading_is_starting_then_ready_from_pid_start(sims):

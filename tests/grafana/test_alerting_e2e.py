@@ -29,9 +29,12 @@ from support import WebhookReceiver, poll_until
 from grafana.alerting_stack import (ALERTMANAGER, PROMETHEUS, REPO, Alertmanager, Gpuguard, Notifications, Prometheus,
                                     Sim, free_port, render_rules)
 
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None or ALERTMANAGER is None,
-    reason="needs the Debian packages `prometheus` and `prometheus-alertmanager` (.ci/run installs them)")
+pytestmark = [
+    pytest.mark.slow, pytest.mark.fuse, pytest.mark.network,  # registered in pyproject.toml
+    pytest.mark.skipif(
+        PROMETHEUS is None or ALERTMANAGER is None,
+        reason="needs the Debian packages `prometheus` and `prometheus-alertmanager` (.ci/run installs them)"),
+]
 
 XTX0, XTX1 = "0000:aa:00.0", "0000:b0:00.0"
 CONFIG = """

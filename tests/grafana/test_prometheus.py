@@ -19,6 +19,9 @@ from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.state.hub import HostSnapshot, Hub
 from gpuguard.state.snapshot import GpuSnapshot, OdState
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
+
 ALERTS = Path(__file__).resolve().parents[2] / "grafana" / "alerts.yml"
 DEADLINE_S = 20.0
 

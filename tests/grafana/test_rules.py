@@ -3,6 +3,9 @@ tested firing and not firing, and shaped the same way (for/severity/what-to-do).
 from __future__ import annotations
 
 import re
+import pytest
+
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
 
 
 # Public contract (DESIGN.md): silences, routes and runbooks refer to these names.

@@ -13,6 +13,9 @@ from gpuguard.hw import plausible
 from gpuguard.hw.amdgpu import discover_one, read_gpu
 from gpuguard.hw.sysfs import SysfsRoot
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
+
 GARBAGE = "-99999999999999999999999999\n"
 
 

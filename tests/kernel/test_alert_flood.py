@@ -19,7 +19,10 @@ from kernel.conftest import kmsg_writable, write_kmsg
 from service.failsafe_harness import GuardProcess, config_text, sim_root
 from support import WebhookReceiver
 
-pytestmark = pytest.mark.skipif(kmsg_writable() is not None, reason=str(kmsg_writable()))
+pytestmark = [
+    pytest.mark.slow, pytest.mark.root,  # registered in pyproject.toml
+    pytest.mark.skipif(kmsg_writable() is not None, reason=str(kmsg_writable())),
+]
 
 KERNEL = "kernel: {allow_userspace: true, udev: false}\n"
 

@@ -16,6 +16,9 @@ from gpuguard.kernel.kmsg import KmsgError, KmsgReader, parse_record
 from gpuguard.kernel.router import KernelEventRouter
 from gpuguard.kernel.rules import Rules
 
+pytestmark = [pytest.mark.root]  # registered in pyproject.toml
+
+
 HANG = "<3>amdgpu 0000:aa:00.0: ring gfx_0.0.0 timeout, signaled seq=41, emitted seq=43 {tag}"
 
 

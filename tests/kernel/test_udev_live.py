@@ -13,6 +13,8 @@ from gpuguard.kernel.router import KernelEventRouter
 from gpuguard.kernel.rules import Rules
 from gpuguard.kernel.udev import DeviceEvent, UdevMonitor, bdf_from_devpath
 
+pytestmark = [pytest.mark.root]  # registered in pyproject.toml
+
 
 def _a_pci_device() -> str:
     devices = SysfsRoot("/").listdir("/sys/bus/pci/devices")

@@ -20,6 +20,10 @@ from gpuguard.hw.nvml_replay import NvmlTimeline
 from gpuguard.profiles.audit import read_audit
 
 from .fake_nvml import CAPTURE, FakeCard, FakeNvml
+import pytest
+
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
 
 A, B, C = "0000:19:00.0", "0000:3b:00.0", "0000:5d:00.0"
 TOKEN = "nvml-daemon-test-token-0123456789abcdef"

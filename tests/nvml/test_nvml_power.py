@@ -17,6 +17,9 @@ from gpuguard.hw.power_sampler import PowerSampler
 from gpuguard.hw.power_sources import channel_for, nvml_channel
 from support import poll_until
 
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
+
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "h200" / "nvml-h200-power.json"
 
 

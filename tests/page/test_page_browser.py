@@ -19,8 +19,11 @@ import pytest
 
 CHROMIUM = os.environ.get("GPUGUARD_CHROMIUM", "/usr/bin/chromium")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright (python package) not installed")
-pytestmark = pytest.mark.skipif(not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM),
-                                reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+pytestmark = [
+    pytest.mark.slow, pytest.mark.network,  # registered in pyproject.toml
+    pytest.mark.skipif(not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM),
+                       reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"),
+]
 
 
 def free_port() -> int:

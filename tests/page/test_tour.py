@@ -17,6 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 API = "http://127.0.0.1:9436"
 

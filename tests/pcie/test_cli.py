@@ -13,6 +13,10 @@ import time
 from pathlib import Path
 
 from gpuguard.hw.pcie_config import build_config
+import pytest
+
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "daemon"), "PYTHONIOENCODING": "utf-8"}

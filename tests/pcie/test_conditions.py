@@ -16,6 +16,10 @@ from gpuguard.sim.topology import incident_spec
 from gpuguard.sim.tree import write_tree
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
+import pytest
+
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
 
 XTX = ("0000:aa:00.0", "0000:b0:00.0")
 

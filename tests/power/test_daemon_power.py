@@ -18,6 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuguard.sim.control import send
 from support import poll_until
 
+pytestmark = [pytest.mark.slow, pytest.mark.fuse, pytest.mark.network]  # registered in pyproject.toml
+
+
 R9700 = {"r9700-a": "0000:05:00.0", "r9700-b": "0000:08:00.0"}
 
 

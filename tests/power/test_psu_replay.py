@@ -24,6 +24,9 @@ from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.state.hub import Hub
 from support import poll_until
 
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
+
 GPUS = {"r9700-a": "0000:05:00.0", "r9700-b": "0000:08:00.0"}
 # INCIDENTS §2: a 1300 W supply; a dual-socket workstation draws ~450 W besides the GPUs.
 # The budget is loose here: the in-process simulator's read path is the test's reader cost.
@@ -49,7 +52,7 @@ def incident(sim_root, tmp_path):
 
     watch = PowerWatch(hub, CONFIG, channels, recorder=recorder)
     metrics = MetricsSink(hub)
-    metrics.add_producer(watch.metrics)
+    metrics.add("power", watch.metrics)
     runner = SimRunner(host, interval=0.02).start()   # the card's time runs on, 50 steps/s
     yield SimpleNamespace(host=host, root=root, hub=hub, watch=watch, metrics=metrics, recorder=recorder)
     watch.close()

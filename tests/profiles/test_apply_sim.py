@@ -4,6 +4,10 @@ from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.profiles.apply import Applier, CardTarget
 from gpuguard.profiles.kernel_reason import KmsgReasons
 from gpuguard.profiles.schema import Profile
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse]  # registered in pyproject.toml
+
 
 R9700 = Profile(power_cap_w=210, sclk_offset_mhz=-500, vddgfx_offset_mv=-100)
 XTX = Profile(sclk_max_mhz=2000, vddgfx_offset_mv=-100)

@@ -10,6 +10,10 @@ import asyncio
 from gpuguard.config import load_config
 from gpuguard.daemon import Daemon
 from gpuguard.profiles.api import ProfileActions
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse]  # registered in pyproject.toml
+
 
 XTX = {"xtx-a": "0000:aa:00.0", "xtx-b": "0000:b0:00.0"}
 

@@ -6,6 +6,10 @@ from pathlib import Path
 from gpuguard.profiles.effective import effective_findings
 from gpuguard.profiles.schema import Profile
 from gpuguard.state.snapshot import GpuSnapshot
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse]  # registered in pyproject.toml
+
 
 REPO = Path(__file__).resolve().parents[2]
 

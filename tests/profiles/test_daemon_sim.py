@@ -15,6 +15,9 @@ from gpuguard.profiles.audit import read_audit
 from gpuguard.sim.host import SimHost
 from support import poll_until
 
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse, pytest.mark.network]  # registered in pyproject.toml
+
+
 REPO = Path(__file__).resolve().parents[2]
 GPUS = {"r9700-a": "0000:05:00.0", "r9700-b": "0000:08:00.0", "xtx-a": "0000:aa:00.0", "xtx-b": "0000:b0:00.0"}
 INTERVAL = 0.3

@@ -7,6 +7,8 @@ from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.profiles.kernel_reason import KmsgReasons
 from gpuguard.profiles.safemode import SafeModeGuard
 
+pytestmark = [pytest.mark.root]  # registered in pyproject.toml
+
 
 def host(tmp_path, boot="boot-1", cmdline="quiet splash"):
     (tmp_path / "root/proc/sys/kernel/random").mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,8 @@ import pytest
 from gpuguard.report.png import HEADER_H, decode_png
 from report.test_report import plotted, svg_of
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -23,6 +23,9 @@ from gpuguard.report.figure import PALETTE
 from gpuguard.report.png import HEADER_H, decode_png
 from gpuguard.sim.replay import incident_1, incident_2
 
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
+
 T0 = 1_790_000_000.0  # a fixed past moment: the files are the same in every run
 
 

@@ -18,6 +18,9 @@ from gpuguard.sinks.notifier import WebhookNotifier
 from gpuguard.state.events import Event
 from gpuguard.state.hub import HostSnapshot, Hub
 from gpuguard.state.snapshot import GpuSnapshot
+import pytest
+
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
 
 
 def _load(hub: Hub, busy: float) -> None:

@@ -17,6 +17,9 @@ from gpuguard.sinks.api import build_app
 from gpuguard.sinks.auth import AccessPolicy, TokenStore
 from gpuguard.sinks.metrics import MetricsSink
 
+pytestmark = [pytest.mark.network]  # registered in pyproject.toml
+
+
 # A valid value per path parameter: a refused call must be refused for the auth, not the name.
 VALID = {"gpu": "gpu0", "engine": "vllm-a", "cache": "vllm-compile"}
 OPEN_GETS = {"/healthz", "/openapi.json"}

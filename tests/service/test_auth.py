@@ -6,6 +6,8 @@ import pytest
 
 from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore, bearer_token, is_loopback
 
+pytestmark = [pytest.mark.root]  # registered in pyproject.toml
+
 
 def test_tokens_load_and_match_by_name(tmp_path, make_token_file, tokens):
     store = TokenStore.load(str(make_token_file(tmp_path / "tokens")))

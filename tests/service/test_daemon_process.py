@@ -22,6 +22,9 @@ import pytest
 from gpuguard.config import load_config
 from gpuguard.daemon import Daemon
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
+
 REPO = Path(__file__).resolve().parents[2]
 INTERVAL = 0.15
 

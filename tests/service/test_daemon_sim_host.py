@@ -19,6 +19,9 @@ from support import WebhookReceiver
 from gpuguard.sim.runner import build_scenario
 from gpuguard.sim.tree import write_tree
 
+pytestmark = [pytest.mark.slow, pytest.mark.fuse, pytest.mark.network]  # registered in pyproject.toml
+
+
 REPO = Path(__file__).resolve().parents[2]
 XTX = "0000:aa:00.0"  # behind the switch hop that trained at 5 GT/s
 

@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 from service.failsafe_harness import REPO, GuardProcess, sim_root
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
 def test_daemon_warns_at_start_when_reads_are_open_to_the_network(tmp_path, wait):

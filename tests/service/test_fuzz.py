@@ -10,6 +10,10 @@ import httpx
 from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 HTTP = httpx.Client(timeout=10)
 

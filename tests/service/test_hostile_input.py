@@ -13,6 +13,10 @@ from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from service.failsafe_harness import GuardProcess, config_text, sim_root
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 HTTP = httpx.Client(timeout=10)
 VALID = {"gpu": "gpu0", "engine": "vllm-a", "cache": "vllm-compile"}

@@ -13,6 +13,9 @@ import pytest
 from service.failsafe_harness import GuardProcess, XTX, can_mount, config_text, fill, od_file, sim_root, tmpfs
 from support import WebhookReceiver
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
+
 needs_mount = pytest.mark.skipif(can_mount() is not None, reason=str(can_mount()))
 
 

@@ -19,6 +19,8 @@ from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 class Receiver:
     """A real HTTP server that records each POST (arrival time, JSON) and answers with
@@ -126,7 +128,7 @@ def test_dead_webhook_is_counted_and_does_not_delay_a_live_one(receiver):
         metrics = MetricsSink(hub)
         n = WebhookNotifier(hub, [WebhookConfig(url=dead, retries=2, timeout_seconds=1),
                                   WebhookConfig(url=receiver.url)])
-        metrics.add_producer(n.collect)
+        metrics.add("webhooks", n.collect)
         await n.start()
         try:
             t0 = time.monotonic()

@@ -17,6 +17,9 @@ from gpuguard.sim.host import SimHost
 from gpuguard.sim.tree import write_tree
 from support import poll_until
 
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse]  # registered in pyproject.toml
+
+
 REPO = Path(__file__).resolve().parents[2]
 XTX = "0000:aa:00.0"
 R9700 = "0000:05:00.0"

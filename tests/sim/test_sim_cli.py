@@ -13,6 +13,8 @@ import pytest
 
 from gpuguard.sim.runner import SimRunner, build_scenario
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
+
 
 def sim(sock, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gpuguard", "sim", "--control", str(sock), *args],

@@ -20,6 +20,8 @@ from gpuguard.state.events import Event
 from gpuguard.state.hub import HostSnapshot
 from gpuguard.state.snapshot import GpuSnapshot
 
+pytestmark = [pytest.mark.root]  # registered in pyproject.toml
+
 
 def snap(t: float, n_gpus: int = 1) -> HostSnapshot:
     gpus = tuple(

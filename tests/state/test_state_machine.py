@@ -24,6 +24,10 @@ from gpuguard.profiles.apply import CardResult
 from gpuguard.profiles.lifecycle import ProfileRuntime
 from gpuguard.profiles.schema import ProfilesConfig
 from gpuguard.state.hub import Hub
+import pytest
+
+pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
+
 
 # physical cards: (home address, pci device id, true name); an XTX may come back at one
 # other address that keeps the order of the two XTX (index order is what names them)

@@ -1,22 +1,45 @@
-"""Prometheus export. A custom collector formats the hub's latest snapshot: a scrape never
-touches sysfs (prometheus/client_python runs collect() on the serving thread/loop).
+"""Prometheus export: one named collector per source (node_exporter's model), each
+formatting memory only, so a scrape never touches sysfs (prometheus/client_python runs
+collect() on the serving thread/loop).
+
+Each source registers at start with `MetricsSink.add(name, collect)`. A scrape runs every
+collector, times it and exports `gpuguard_collector_duration_seconds{collector}` and
+`gpuguard_collector_success{collector}`: a collector that raises yields nothing that scrape
+(success 0), and every other collector's families are still served with a 200 — one broken
+source must not blank the dashboard of a host that is about to trip its PSU. Two collectors
+exporting the same family name would give Prometheus a duplicate family and fail the whole
+target, so that is refused at registration (naming both), and at scrape for a family that
+first appears later.
 
 Names follow reference/METRICS.md: prefix `gpuguard_`, base units, `gpu` = configured
-name, `bdf` = PCI address. Other sources add families through `producers`.
+name, `bdf` = PCI address.
 """
 from __future__ import annotations
 
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from gpuguard import __version__
 from gpuguard.sinks.nvml_metrics import nvml_families
 from gpuguard.state.hub import Hub
 
-Producer = Callable[[], Iterable[Metric]]
+Collect = Callable[[], Iterable[Metric]]
+Producer = Collect  # the old name, kept for callers on other branches
+
+log = logging.getLogger("gpuguard.metrics")
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
+# the sink's own families: no collector may export them
+_SELF = "collectors"
+DURATION = "gpuguard_collector_duration_seconds"
+SUCCESS = "gpuguard_collector_success"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,110 +48,204 @@ def _g(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
-class HubCollector(Collector):
-    def __init__(self, hub: Hub, producers: Iterable[Producer] = ()) -> None:
-        self.hub = hub
-        self.producers = list(producers)
+class CollectorError(ValueError):
+    """A collector that cannot be registered: bad or taken name, a family another exports."""
+
+
+@dataclass
+class _Source:
+    name: str
+    collect: Collect
+    ok: bool = True  # last scrape's result; failures are logged on the change only
+    families: set[str] = field(default_factory=set)
+
+
+def build_families() -> Iterable[Metric]:
+    build = _g("gpuguard_build_info", "gpuguard build", ["version"])
+    build.add_metric([__version__], 1)
+    yield build
+
+
+def poller_families(hub: Hub) -> Iterable[Metric]:
+    errors = CounterMetricFamily(
+        "gpuguard_poll_errors", "Values that could not be read, per GPU and source", labels=["gpu", "source"]
+    )
+    for (gpu, source), n in sorted(hub.counters.poll_errors.items()):
+        errors.add_metric([gpu, source], n)
+    yield errors
+    yield from hub.counters.poll_duration.collect()
+    last = _g("gpuguard_last_poll_timestamp_seconds", "Wall time of the last finished poll", ["source"])
+    for source, t in sorted(hub.last_poll.items()):
+        last.add_metric([source], t)
+    yield last
+
+
+def kernel_families(hub: Hub) -> Iterable[Metric]:
+    kev = CounterMetricFamily("gpuguard_kernel_events", "Classified kernel log lines", labels=["gpu", "kind"])
+    # GPU-less lines (OOM kill, hung task) count under gpu="host" (state/gpus.py)
+    for (gpu, kind), n in sorted(hub.gpus.kernel_counts.items()):
+        kev.add_metric([gpu, kind], n)
+    yield kev
+
+
+def gpu_families(hub: Hub) -> Iterable[Metric]:
+    snap = hub.snapshot
+    gpus = snap.gpus if snap else ()
+    info = _g("gpuguard_gpu_info", "GPU identity; card is today's cardN", ["gpu", "bdf", "vendor", "device_id", "model", "card", "driver"])
+    up = _g("gpuguard_gpu_up", "1 = GPU answering, 0 = lost or not answering", ["gpu"])
+    suspended = _g("gpuguard_gpu_runtime_suspended", "1 = runtime-suspended (not woken to poll)", ["gpu"])
+    power = _g("gpuguard_gpu_power_watts", "Average package power", ["gpu"])
+    cap = _g("gpuguard_gpu_power_cap_watts", "Current power cap", ["gpu"])
+    cap_min = _g("gpuguard_gpu_power_cap_min_watts", "Lowest settable power cap", ["gpu"])
+    cap_max = _g("gpuguard_gpu_power_cap_max_watts", "Highest settable power cap", ["gpu"])
+    cap_def = _g("gpuguard_gpu_power_cap_default_watts", "Default power cap", ["gpu"])
+    temp = _g("gpuguard_gpu_temperature_celsius", "Temperature per sensor", ["gpu", "sensor"])
+    tlim = _g("gpuguard_gpu_temperature_limit_celsius", "Temperature limits per sensor", ["gpu", "sensor", "level"])
+    clock = _g("gpuguard_gpu_clock_hertz", "Current clock", ["gpu", "domain"])
+    fan = _g("gpuguard_gpu_fan_rpm", "Fan speed", ["gpu"])
+    busy = _g("gpuguard_gpu_busy_ratio", "GPU busy, 0-1", ["gpu"])
+    vused = _g("gpuguard_gpu_vram_used_bytes", "VRAM in use", ["gpu"])
+    vtotal = _g("gpuguard_gpu_vram_total_bytes", "VRAM size", ["gpu"])
+    vvis = _g("gpuguard_gpu_vram_visible_bytes", "CPU-visible VRAM (equals total with large BAR)", ["gpu"])
+    vres = _g("gpuguard_gpu_vram_reserved_bytes", "VRAM the NVIDIA driver reserves (not in used; NVML v2)", ["gpu"])
+    volt = _g("gpuguard_gpu_voltage_volts", "Voltage per rail", ["gpu", "rail"])
+    od = _g("gpuguard_gpu_od_setting", "OD setting read back now", ["gpu", "setting"])
+    for g in gpus:
+        info.add_metric([g.name, g.bdf, g.vendor, g.device_id, g.model, g.card or "", g.driver], 1)
+        up.add_metric([g.name], 1 if g.up else 0)
+        suspended.add_metric([g.name], 1 if g.runtime_status == "suspended" else 0)
+        for fam, value in (
+            (power, g.power_watts),
+            (cap, g.power_cap_watts),
+            (cap_min, g.power_cap_min_watts),
+            (cap_max, g.power_cap_max_watts),
+            (cap_def, g.power_cap_default_watts),
+            (fan, g.fan_rpm),
+            (busy, g.busy_ratio),
+            (vused, g.vram_used_bytes),
+            (vtotal, g.vram_total_bytes),
+            (vvis, g.vram_visible_bytes),
+            (vres, g.vram_reserved_bytes),
+        ):
+            if value is not None:  # unknown is absent, never a zero
+                fam.add_metric([g.name], value)
+        for sensor, v in sorted(g.temperatures.items()):
+            temp.add_metric([g.name, sensor], v)
+        for (sensor, level), v in sorted(g.temperature_limits.items()):
+            tlim.add_metric([g.name, sensor, level], v)
+        for domain, v in sorted(g.clocks_hz.items()):
+            clock.add_metric([g.name, domain], v)
+        for rail, v in sorted(g.voltages.items()):
+            volt.add_metric([g.name, rail], v)
+        if g.od is not None:
+            for setting, v in sorted(g.od.settings.items()):
+                od.add_metric([g.name, setting], v)
+    missing = _g("gpuguard_gpu_configured_missing", "1 = a configured GPU has no identified present card",
+                 ["gpu", "match"])
+    for m in hub.gpus.missing():
+        missing.add_metric([m.name, m.match], 1)
+    yield from (info, up, suspended, power, cap, cap_min, cap_max, cap_def, temp, tlim, clock, fan, busy, vused, vtotal, vvis, vres, volt, od, missing)
+
+
+
+class _Exposition:
+    """The one object in the prometheus registry; it runs the named collectors."""
+
+    def __init__(self, sink: "MetricsSink") -> None:
+        self._sink = sink
 
     def describe(self) -> list:
         # Returning nothing keeps registration from calling collect() early.
         return []
 
     def collect(self) -> Iterable[Metric]:
-        build = _g("gpuguard_build_info", "gpuguard build", ["version"])
-        build.add_metric([__version__], 1)
-        yield build
-        yield from self._gpu_families()
-        yield from nvml_families(self.hub.snapshot)  # NVIDIA health through NVML (issue 18)
-        errors = CounterMetricFamily(
-            "gpuguard_poll_errors", "Values that could not be read, per GPU and source", labels=["gpu", "source"]
-        )
-        for (gpu, source), n in sorted(self.hub.counters.poll_errors.items()):
-            errors.add_metric([gpu, source], n)
-        yield errors
-        yield from self.hub.counters.poll_duration.collect()
-        last = _g("gpuguard_last_poll_timestamp_seconds", "Wall time of the last finished poll", ["source"])
-        for source, t in sorted(self.hub.last_poll.items()):
-            last.add_metric([source], t)
-        yield last
-        kev = CounterMetricFamily("gpuguard_kernel_events", "Classified kernel log lines", labels=["gpu", "kind"])
-        # GPU-less lines (OOM kill, hung task) count under gpu="host" (state/gpus.py)
-        for (gpu, kind), n in sorted(self.hub.gpus.kernel_counts.items()):
-            kev.add_metric([gpu, kind], n)
-        yield kev
-        missing = _g("gpuguard_gpu_configured_missing", "1 = a configured GPU has no identified present card",
-                     ["gpu", "match"])
-        for m in self.hub.gpus.missing():
-            missing.add_metric([m.name, m.match], 1)
-        yield missing
-        for produce in self.producers:
-            yield from produce()
-
-    def _gpu_families(self) -> Iterable[Metric]:
-        snap = self.hub.snapshot
-        gpus = snap.gpus if snap else ()
-        info = _g("gpuguard_gpu_info", "GPU identity; card is today's cardN", ["gpu", "bdf", "vendor", "device_id", "model", "card", "driver"])
-        up = _g("gpuguard_gpu_up", "1 = GPU answering, 0 = lost or not answering", ["gpu"])
-        suspended = _g("gpuguard_gpu_runtime_suspended", "1 = runtime-suspended (not woken to poll)", ["gpu"])
-        power = _g("gpuguard_gpu_power_watts", "Average package power", ["gpu"])
-        cap = _g("gpuguard_gpu_power_cap_watts", "Current power cap", ["gpu"])
-        cap_min = _g("gpuguard_gpu_power_cap_min_watts", "Lowest settable power cap", ["gpu"])
-        cap_max = _g("gpuguard_gpu_power_cap_max_watts", "Highest settable power cap", ["gpu"])
-        cap_def = _g("gpuguard_gpu_power_cap_default_watts", "Default power cap", ["gpu"])
-        temp = _g("gpuguard_gpu_temperature_celsius", "Temperature per sensor", ["gpu", "sensor"])
-        tlim = _g("gpuguard_gpu_temperature_limit_celsius", "Temperature limits per sensor", ["gpu", "sensor", "level"])
-        clock = _g("gpuguard_gpu_clock_hertz", "Current clock", ["gpu", "domain"])
-        fan = _g("gpuguard_gpu_fan_rpm", "Fan speed", ["gpu"])
-        busy = _g("gpuguard_gpu_busy_ratio", "GPU busy, 0-1", ["gpu"])
-        vused = _g("gpuguard_gpu_vram_used_bytes", "VRAM in use", ["gpu"])
-        vtotal = _g("gpuguard_gpu_vram_total_bytes", "VRAM size", ["gpu"])
-        vvis = _g("gpuguard_gpu_vram_visible_bytes", "CPU-visible VRAM (equals total with large BAR)", ["gpu"])
-        vres = _g("gpuguard_gpu_vram_reserved_bytes", "VRAM the NVIDIA driver reserves (not in used; NVML v2)", ["gpu"])
-        volt = _g("gpuguard_gpu_voltage_volts", "Voltage per rail", ["gpu", "rail"])
-        od = _g("gpuguard_gpu_od_setting", "OD setting read back now", ["gpu", "setting"])
-        for g in gpus:
-            info.add_metric([g.name, g.bdf, g.vendor, g.device_id, g.model, g.card or "", g.driver], 1)
-            up.add_metric([g.name], 1 if g.up else 0)
-            suspended.add_metric([g.name], 1 if g.runtime_status == "suspended" else 0)
-            for fam, value in (
-                (power, g.power_watts),
-                (cap, g.power_cap_watts),
-                (cap_min, g.power_cap_min_watts),
-                (cap_max, g.power_cap_max_watts),
-                (cap_def, g.power_cap_default_watts),
-                (fan, g.fan_rpm),
-                (busy, g.busy_ratio),
-                (vused, g.vram_used_bytes),
-                (vtotal, g.vram_total_bytes),
-                (vvis, g.vram_visible_bytes),
-                (vres, g.vram_reserved_bytes),
-            ):
-                if value is not None:  # unknown is absent, never a zero
-                    fam.add_metric([g.name], value)
-            for sensor, v in sorted(g.temperatures.items()):
-                temp.add_metric([g.name, sensor], v)
-            for (sensor, level), v in sorted(g.temperature_limits.items()):
-                tlim.add_metric([g.name, sensor, level], v)
-            for domain, v in sorted(g.clocks_hz.items()):
-                clock.add_metric([g.name, domain], v)
-            for rail, v in sorted(g.voltages.items()):
-                volt.add_metric([g.name, rail], v)
-            if g.od is not None:
-                for setting, v in sorted(g.od.settings.items()):
-                    od.add_metric([g.name, setting], v)
-        yield from (info, up, suspended, power, cap, cap_min, cap_max, cap_def, temp, tlim, clock, fan, busy, vused, vtotal, vvis, vres, volt, od)
+        return self._sink._scrape()
 
 
 class MetricsSink:
-    """Owns the registry; `render()` returns the exposition text."""
+    """Owns the registry and the named collectors; `render()` returns the exposition text."""
 
     def __init__(self, hub: Hub, producers: Iterable[Producer] = ()) -> None:
-        self.collector = HubCollector(hub, producers)
+        self.hub = hub
+        self._sources: dict[str, _Source] = {}
+        self._owner: dict[str, str] = {DURATION: _SELF, SUCCESS: _SELF}  # family -> collector
+        self._lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self.collector)
+        self.registry.register(_Exposition(self))
+        self.add("build", build_families)
+        self.add("gpu", lambda: gpu_families(hub))
+        self.add("nvml", lambda: nvml_families(hub.snapshot))  # NVIDIA health through NVML
+        self.add("poller", lambda: poller_families(hub))
+        self.add("kernel", lambda: kernel_families(hub))
+        for produce in producers:
+            self.add_producer(produce)
 
-    def add_producer(self, produce: Producer) -> None:
-        self.collector.producers.append(produce)
+    @property
+    def collectors(self) -> list[str]:
+        return list(self._sources)
+
+    def add(self, name: str, collect: Collect) -> None:
+        """Register source `name`. Its collect() is run once now: the families it yields are
+        its own, and one another collector already yields is a CollectorError naming both."""
+        if not _NAME.match(name):
+            raise CollectorError(f"metrics collector name {name!r}: use lowercase letters, digits and _")
+        if name in self._sources or name == _SELF:
+            raise CollectorError(f"metrics collector {name!r} registered twice")
+        try:
+            families = [f.name for f in collect()]
+        except Exception as e:  # noqa: BLE001 - a start-up bug, reported with the collector's name
+            raise CollectorError(f"metrics collector {name!r} failed at registration: {e!r}") from e
+        src = _Source(name, collect)
+        for fam in families:
+            self._claim(src, fam)
+        self._sources[name] = src
+
+    def add_producer(self, produce: Producer) -> str:
+        """Deprecated: use add(name, collect). Registers `produce` under a name derived
+        from its module (`gpuguard.policy.power_watch` -> "power_watch") and returns it."""
+        owner = getattr(produce, "__self__", None)
+        module = getattr(owner if owner is not None else produce, "__module__", None) or "producer"
+        base = re.sub(r"[^a-z0-9_]", "_", module.rsplit(".", 1)[-1].lower()).lstrip("_0123456789") or "producer"
+        name, n = base, 2
+        while name in self._sources:
+            name, n = f"{base}_{n}", n + 1
+        self.add(name, produce)
+        return name
+
+    def _claim(self, src: _Source, family: str) -> None:
+        owner = self._owner.setdefault(family, src.name)
+        if owner != src.name:
+            raise CollectorError(f"metric family {family} is exported by both collector {owner!r} "
+                                 f"and collector {src.name!r}")
+        src.families.add(family)
+
+    def _scrape(self) -> Iterable[Metric]:
+        with self._lock:
+            out: list[Metric] = []
+            duration = _g(DURATION, "Wall time of this scrape's collect, per collector", ["collector"])
+            success = _g(SUCCESS, "1 = the collector answered this scrape, 0 = it raised (its families are absent)",
+                         ["collector"])
+            for src in self._sources.values():
+                t0 = time.perf_counter()
+                try:
+                    families = list(src.collect())
+                    for fam in families:
+                        if fam.name not in src.families:
+                            self._claim(src, fam.name)
+                    ok = True
+                except Exception as e:  # noqa: BLE001 - one source's bug must not fail the scrape
+                    families, ok = [], False
+                    if src.ok:
+                        log.error("metrics collector %s failed, its families are left out: %r", src.name, e,
+                                  exc_info=not isinstance(e, CollectorError))
+                if ok and not src.ok:
+                    log.info("metrics collector %s answers again", src.name)
+                src.ok = ok
+                duration.add_metric([src.name], time.perf_counter() - t0)
+                success.add_metric([src.name], 1 if ok else 0)
+                out.extend(families)
+            out += [duration, success]
+            return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

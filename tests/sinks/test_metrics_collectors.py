@@ -1,0 +1,146 @@
+"""/metrics is one named collector per source: each scrape says per collector how long it took
+and whether it answered; one that raises leaves out only its own families (the scrape still
+answers 200); two collectors exporting one family name are refused at start, naming both."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuguard.config import parse_config
+from gpuguard.daemon import Daemon
+from gpuguard.sim.host import SimHost
+from gpuguard.sim.tree import write_tree
+from gpuguard.sinks.api import build_app
+from gpuguard.sinks.metrics import CollectorError, MetricsSink
+from gpuguard.state.hub import Hub
+
+DAEMON_COLLECTORS = {"build", "gpu", "nvml", "poller", "kernel", "pcie", "webhooks", "recorder", "engines",
+                     "profiles", "power"}
+
+
+def _gauge(name: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, "test family")
+    g.add_metric([], value)
+    return g
+
+
+def test_each_collector_of_a_daemon_on_the_simulated_host_reports_duration_and_success(tmp_path, monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    write_tree(SimHost.incident(seed=0), str(tmp_path / "root"))
+    (tmp_path / "kmsg").write_text("")
+    cfg = parse_config(f"""
+sysfs_root: {tmp_path / 'root'}
+state_dir: {tmp_path / 'state'}
+listen: {{address: 127.0.0.1, port: 0}}
+recorder: {{path: {tmp_path / 'state' / 'flight.sqlite'}}}
+kernel: {{kmsg_path: {tmp_path / 'kmsg'}, udev: false, allow_userspace: false}}
+webhooks: [{{url: "http://127.0.0.1:9/a"}}]
+power: {{psu_watts: 1600}}
+engines:
+  - {{name: qwen, kind: vllm, url: "http://127.0.0.1:9", process: {{cmdline: 'no-such-engine-xyz'}}}}
+""")
+
+    async def main():
+        d = Daemon(cfg)
+        try:
+            await d.poller.poll_once()
+            await d.pcie.check_once()
+            return d, d.metrics.registry.get_sample_value
+        finally:
+            d.poller.close()
+            d.power.close()
+            d.recorder.close()
+            await d.engines.aclose()
+
+    d, v = asyncio.run(main())
+    assert set(d.metrics.collectors) == DAEMON_COLLECTORS
+    for name in DAEMON_COLLECTORS:
+        assert v("gpuguard_collector_success", {"collector": name}) == 1.0, name
+        assert 0 <= v("gpuguard_collector_duration_seconds", {"collector": name}) < 5, name
+    # the sources' own families are there beside them
+    assert v("gpuguard_gpu_vram_total_bytes", {"gpu": "card0000:05:00.0"}) == 34208743424
+    downgraded = [s for f in d.metrics.registry.collect() if f.name == "gpuguard_pcie_link_downgraded"
+                  for s in f.samples if s.value == 1]
+    assert downgraded  # the XTX slot hop trained at Gen2 (INCIDENTS §4)
+
+
+def test_a_raising_collector_scores_zero_and_the_others_still_answer(caplog):
+    hub = Hub()
+    sink = MetricsSink(hub)
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) > 1:  # fine at registration, broken at scrape (a bug reached at runtime)
+            raise RuntimeError("ledger unreadable")
+        yield _gauge("gpuguard_test_broken", 1)
+
+    sink.add("broken", broken)
+    sink.add("fine", lambda: [_gauge("gpuguard_test_fine", 7)])
+    client = TestClient(build_app(hub, sink))
+    with caplog.at_level(logging.ERROR, "gpuguard.metrics"):
+        for _ in range(3):
+            r = client.get("/metrics")
+            assert r.status_code == 200
+    v = sink.registry.get_sample_value
+    assert v("gpuguard_collector_success", {"collector": "broken"}) == 0.0
+    assert v("gpuguard_test_broken") is None  # nothing of a failed collector, not a stale value
+    assert v("gpuguard_collector_success", {"collector": "fine"}) == 1.0
+    assert v("gpuguard_test_fine") == 7.0
+    assert v("gpuguard_build_info", {"version": __import__("gpuguard").__version__}) == 1.0
+    assert v("gpuguard_collector_duration_seconds", {"collector": "broken"}) >= 0
+    # the served text parses and names the failing collector
+    fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert {s.labels["collector"]: s.value for s in fams["gpuguard_collector_success"].samples}["broken"] == 0.0
+    # logged once on the change, not once per scrape
+    failed = [rec for rec in caplog.records if "broken" in rec.getMessage()]
+    assert len(failed) == 1 and "ledger unreadable" in failed[0].getMessage()
+
+
+def test_a_family_two_collectors_export_is_refused_at_registration_naming_both():
+    sink = MetricsSink(Hub())
+    with pytest.raises(CollectorError, match=r"gpuguard_gpu_up .*'gpu'.*'mine'"):
+        sink.add("mine", lambda: [_gauge("gpuguard_gpu_up", 1)])
+    assert "mine" not in sink.collectors
+    with pytest.raises(CollectorError, match="registered twice"):
+        sink.add("gpu", lambda: [])
+    with pytest.raises(CollectorError, match="gpuguard_collector_success"):
+        sink.add("sneaky", lambda: [_gauge("gpuguard_collector_success", 1)])
+
+
+def test_a_duplicate_family_that_first_appears_at_scrape_fails_only_the_late_collector():
+    hub = Hub()
+    sink = MetricsSink(hub)
+    late: list = []
+    sink.add("first", lambda: [_gauge("gpuguard_test_shared", 1)])
+    sink.add("second", lambda: list(late))  # yields nothing at registration (no data yet)
+    late.append(_gauge("gpuguard_test_shared", 2))
+    text = sink.render().decode()
+    assert text.count("# TYPE gpuguard_test_shared gauge") == 1  # Prometheus would reject the target
+    v = sink.registry.get_sample_value
+    assert v("gpuguard_test_shared") == 1.0
+    assert v("gpuguard_collector_success", {"collector": "first"}) == 1.0
+    assert v("gpuguard_collector_success", {"collector": "second"}) == 0.0
+
+
+def test_add_producer_still_registers_under_a_derived_name():
+    from gpuguard.policy import power_watch
+
+    sink = MetricsSink(Hub())
+
+    class Watch:
+        __module__ = power_watch.__name__
+
+        def metrics(self):
+            yield _gauge("gpuguard_test_watch", 3)
+
+    assert sink.add_producer(Watch().metrics) == "power_watch"
+    assert sink.add_producer(lambda: [_gauge("gpuguard_test_other", 1)]) == "test_metrics_collectors"
+    v = sink.registry.get_sample_value
+    assert v("gpuguard_test_watch") == 3.0
+    assert v("gpuguard_collector_success", {"collector": "power_watch"}) == 1.0
