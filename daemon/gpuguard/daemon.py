@@ -142,7 +142,7 @@ class Daemon:
         # Thermal emergency / power at cap as events too, not only Prometheus alerts (issue 21).
         conditions = GpuConditions(self.hub.publish)
         self.poller.on_cycle.append(conditions.observe)
-        self.metrics.add_producer(conditions.collect)
+        self.metrics.add("gpu_conditions", conditions.collect)
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:

@@ -22,9 +22,12 @@ from grafana.alerting_stack import (ALERTMANAGER, PROMETHEUS, Alertmanager, Gpug
                                     Prometheus, Sim, render_rules)
 from grafana.test_alerting_e2e import SLACK_S, TRAVEL_S
 
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None or ALERTMANAGER is None,
-    reason="needs the Debian packages `prometheus` and `prometheus-alertmanager` (.ci/run installs them)")
+pytestmark = [
+    pytest.mark.slow, pytest.mark.fuse, pytest.mark.network,  # registered in pyproject.toml
+    pytest.mark.skipif(
+        PROMETHEUS is None or ALERTMANAGER is None,
+        reason="needs the Debian packages `prometheus` and `prometheus-alertmanager` (.ci/run installs them)"),
+]
 
 R9700_A, R9700_B, XTX0, XTX1 = "0000:05:00.0", "0000:08:00.0", "0000:aa:00.0", "0000:b0:00.0"
 

@@ -19,7 +19,7 @@ from gpuguard.sinks.api import build_app
 from gpuguard.sinks.metrics import CollectorError, MetricsSink
 from gpuguard.state.hub import Hub
 
-DAEMON_COLLECTORS = {"build", "gpu", "nvml", "poller", "kernel", "pcie", "webhooks", "recorder", "engines",
+DAEMON_COLLECTORS = {"build", "gpu", "nvml", "poller", "kernel", "pcie", "webhooks", "gpu_conditions", "recorder", "engines",
                      "profiles", "power"}
 
 
