@@ -71,6 +71,10 @@ def _serve(model_path, *args):
     url = f"http://127.0.0.1:{port}"
 
     def ready():
+        if proc.poll() is not None:  # dead at start: say how, do not wait out the deadline
+            how = f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit {proc.returncode}"
+            pytest.fail(f"llama-server ({binary}) died at start with {how}; SIGILL means a build for instructions "
+                        "this CPU does not run (a -march=native AMX build in a VM): build it as .ci/run does")
         try:
             return httpx.get(url + "/health", timeout=1).status_code == 200
         except httpx.HTTPError:
