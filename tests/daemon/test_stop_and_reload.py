@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -37,13 +36,9 @@ STOP_BOUND_S = 10.0  # TimeoutStopSec=20 minus a margin (units/gpuguard.service)
 def _fuse_usable() -> str | None:
     if os.geteuid() != 0:
         return "FUSE mount of the simulator needs root"
-    if not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"):
-        return "no /dev/fuse or fusermount3"
-    try:
-        import mfusepy  # noqa: F401
-    except ImportError:
-        return "mfusepy not installed"
-    return None
+    from gpuguard.sim.fuse import fuse_available  # libfuse, /dev/fuse, fusermount3
+
+    return fuse_available()
 
 
 @pytest.fixture

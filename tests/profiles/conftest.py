@@ -1,5 +1,4 @@
 import os
-import shutil
 
 import pytest
 
@@ -25,9 +24,9 @@ def _simfs():
 def _fuse_usable() -> str | None:
     if os.geteuid() != 0:
         return "FUSE mount of the simulator needs root"
-    if not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"):
-        return "no /dev/fuse or fusermount3"
-    return None
+    from gpuguard.sim.fuse import fuse_available  # libfuse, /dev/fuse, fusermount3
+
+    return fuse_available()
 
 
 @pytest.fixture
