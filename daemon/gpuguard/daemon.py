@@ -43,7 +43,7 @@ from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.sinks.page import mount_page
 from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.sinks.reload_marker import ReloadMarker
-# -- service layer (issue 6): auth, audit, webhooks, sd_notify --
+# -- service layer: auth, audit, webhooks, sd_notify --
 from gpuguard.sinks.actions import Actions
 from gpuguard.sinks.audit import AuditLog
 from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore, exposure_warnings
@@ -63,7 +63,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-Notifier = SystemdNotify  # issue 6: sd_notify moved to sinks/systemd.py
+Notifier = SystemdNotify  # the older name of sinks/systemd.SystemdNotify, kept for callers
 
 
 class Daemon:
@@ -78,7 +78,7 @@ class Daemon:
         self.config_path = config_path
         self.root = SysfsRoot(sysfs_root or config.sysfs_root)
         self.hub = Hub()
-        # state/gpus.py: the one owner of every GPU's identity and lifecycle (issue 11)
+        # state/gpus.py: the one owner of every GPU's identity and lifecycle
         self.gpus = self.hub.gpus
         self.gpus.lost_after_seconds = config.poll.lost_after_seconds
         self.gpus.configure(config.gpus, {e.name: tuple(e.gpus) for e in config.engines})
@@ -107,10 +107,10 @@ class Daemon:
         )
         self.kernel_router: KernelEventRouter | None = None
         self.kmsg_reader: KmsgReader | None = None
-        # -- service layer (issue 6). Tokens are loaded in run(): a bad token file must end
+        # -- service layer. Tokens are loaded in run(): a bad token file must end
         # the start with a one-line error, not a traceback from the constructor.
         self.audit = AuditLog.in_state_dir(config.state_dir)
-        # issue 12: one daemon per state folder; an unusable one refuses applies, never crashes
+        # one daemon per state folder; an unusable one refuses applies, never crashes
         self.state_dir = StateDir(config.state_dir)
         self.audit.health = self.state_dir
         self.actions = Actions()  # other parts register providers here (sinks/actions.py)
@@ -126,7 +126,7 @@ class Daemon:
             max_body_bytes=config.api.max_body_bytes,
             config_view=self.config_view,
         )
-        # issue 16: the web page, its history and on-demand incident reports (same port and rules)
+        # the web page, its history and on-demand incident reports (same port and rules)
         mount_page(self.app, lambda: self.recorder)
         self.app.state.state_health = lambda: self.state_dir.health
         self.unix_server: _Server | None = None
@@ -139,7 +139,7 @@ class Daemon:
         self.on_serving: list[Callable[[], Any]] = []  # after READY=1 (the demo's banner)
         # WATCHDOG=1 only from a finished poll cycle (sinks/systemd.py says why)
         self.poller.on_cycle.append(lambda snap: self.notify.watchdog(summary_line(self.hub)))
-        # Thermal emergency / power at cap as events too, not only Prometheus alerts (issue 21).
+        # Thermal emergency / power at cap as events too, not only Prometheus alerts.
         conditions = GpuConditions(self.hub.publish)
         self.poller.on_cycle.append(conditions.observe)
         self.metrics.add("gpu_conditions", conditions.collect)
@@ -153,20 +153,20 @@ class Daemon:
         if self.recorder is not None:
             rec = self.recorder
             self.poller.on_cycle.append(lambda snap: rec.record(snap, engines=self.hub.view("engines")))
-            self.hub.on_event(rec.add_event)  # written with the next cycle's samples (issue 12)
+            self.hub.on_event(rec.add_event)  # written with the next cycle's samples
             self.metrics.add("recorder", rec.collect)
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
         if config.engines:
             from gpuguard.engines.attribution import GpuAttribution
 
-            # issue 13: which processes hold which GPU (fdinfo under the host's /proc, NVML)
+            # which processes hold which GPU (fdinfo under the host's /proc, NVML)
             nvml = next((s for s in self.sources if getattr(s, "name", "") == "nvml"), None)
             attribution = GpuAttribution(self.root.path("/proc"), nvml, gpu_names=lambda: dict(self.poller.names))
             from gpuguard.engines import host_context
             from gpuguard.engines.incidents import IncidentStore
 
-            # issue 22: incident bundles under state_dir/incidents, pause statistics
+            # incident bundles under state_dir/incidents, pause statistics
             incidents = IncidentStore(os.path.join(config.state_dir, "incidents"),
                                       context=host_context.window(self.hub, self.recorder))
             self.engines = EngineWatchdog(config.engines, audit=self._engine_audit, publish=self.hub.publish,
@@ -188,12 +188,12 @@ class Daemon:
         self.profiles = ProfileRuntime(ProfilesConfig.from_root(config), self.gpus, self.hub, self.root,
                                        discover=self.poller.discover,
                                        nvml=next((s for s in self.sources if getattr(s, "name", "") == "nvml"), None))
-        self.profiles.audit._log.health = self.state_dir  # /healthz, STATUS= (issue 12)
+        self.profiles.audit._log.health = self.state_dir  # /healthz, STATUS=
         self.on_ready.append(self.profiles.on_ready)
         self.poller.on_cycle.append(self.profiles.on_cycle)
         self.metrics.add("profiles", self.profiles.ledger.metrics)
         self.actions.provide_from(ProfileActions(self.profiles))  # apply/reset/confirm-window routes
-        # issue 17: fast power sampling and the PSU budget (INCIDENTS §2)
+        # fast power sampling and the PSU budget (INCIDENTS §2)
         from gpuguard.policy.power_watch import PowerWatch, poller_channels
 
         self.power = PowerWatch(self.hub, config.power, poller_channels(self.poller, self.hub), recorder=self.recorder)
@@ -231,7 +231,7 @@ class Daemon:
             reader = KmsgReader(kc.kmsg_path, state_file, kc.allow_userspace, batch=kc.batch)
             reader.open()
             self.kmsg_reader = reader
-            # issue 12: the position is on disk before an alert about a line leaves
+            # the position is on disk before an alert about a line leaves
             self.webhooks.before_send.append(
                 lambda e: reader.commit(e.fields["seq"]) if e.source == "kernel" and "seq" in e.fields else None
             )
@@ -247,7 +247,7 @@ class Daemon:
                 log.error("udev not watched: %s; late and vanished GPUs are still found by polling", e)
         from gpuguard.hw import nvml_events
 
-        # NVML's Xid events into the same router (issue 18)
+        # NVML's Xid events into the same router
         task = nvml_events.start(self.sources, self.kernel_router.handle_external,
                                  lambda bdf: self.poller.names.get(bdf), self.stop_event)
         if task is not None:
@@ -277,7 +277,7 @@ class Daemon:
         bad = [f"{n} {s.state}" for n, s in sorted(self.engines.snapshots().items()) if s.state in ("stalled", "unhealthy", "down")]
         self.hub.notes["engines"] = ("engines: " + ", ".join(bad)) if bad else ""
         self.hub.set_view("engines", self.engines.snapshots())
-        # issue 13: which processes hold each GPU, for `status` (plain values: sinks read them)
+        # which processes hold each GPU, for `status` (plain values: sinks read them)
         self.hub.set_view("gpu_processes", {
             "scanned_at": self.engines.gpu_processes_at,
             "processes": sorted(({"gpu": gpu, "bdf": g.bdf, "pid": g.pid, "comm": g.comm, "engine": engine or None,
@@ -465,10 +465,10 @@ class Daemon:
         return None
 
     async def _start(self) -> None:
-        """Everything before READY=1. Runs as a task that SIGTERM abandons (issue 11: the
+        """Everything before READY=1. Runs as a task that SIGTERM abandons (the
         daemon went on waiting for GPUs and writing profiles 30 s after SIGTERM)."""
         try:
-            self.state_dir.acquire()  # one daemon per state folder (issue 12)
+            self.state_dir.acquire()  # one daemon per state folder
         except StateDirLocked as e:
             raise RuntimeError(str(e)) from None
         self.poller.on_cycle.append(lambda snap: None if self.state_dir.health.usable else self.state_dir.probe())

@@ -136,7 +136,7 @@ class GpuPoller:
                 return _down(dev, name, f"an earlier read is still stuck (> {self.timeout:g} s); device not answering")
             del self._stuck[bdf]
         loop = asyncio.get_running_loop()
-        # hw/plausible.py: an implausible value from any source is unreadable, never exported (issue 12)
+        # hw/plausible.py: an implausible value from any source is unreadable, never exported
         cf = self._pool.submit(lambda: plausible.screen(source.read(dev, name)))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(cf, loop=loop), self.timeout)

@@ -88,11 +88,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
     by_key = {**{b: b for b in names}, **{n: b for b, n in names.items()}}
     who = f"cli:{os.environ.get('SUDO_USER') or os.environ.get('USER') or os.getuid()}"
     applier = Applier(root, audit=audit, retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
-    if nv_applier is not None:  # NVIDIA cards through NVML, same table (issue 18)
+    if nv_applier is not None:  # NVIDIA cards through NVML, same table
         applier = nvml_profile.VendorApplier(applier, nv_applier, nv_devices)
 
     def recorded_first(gpu: str, what: str, why: str) -> bool:
-        """No audit record, no write (issue 12): the record of the change goes first."""
+        """No audit record, no write: the record of the change goes first."""
         from gpuguard.sinks.audit import AuditUnavailable
 
         if args.dry_run:

@@ -1,5 +1,5 @@
 """`gpuguard config check FILE`: validate a config file; each problem names key and line.
-It refuses everything `gpuguard run` refuses at start (issue 12: it said OK for a config
+It refuses everything `gpuguard run` refuses at start (it said OK for a config
 whose api.token_file did not exist): the file itself and the token file (present, a
 regular file, mode 0600/0400, owned by the daemon's user)."""
 from __future__ import annotations

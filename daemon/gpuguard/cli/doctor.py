@@ -15,8 +15,7 @@ from gpuguard.policy.link_history import FILE as HISTORY_FILE, boot_time, load a
 
 
 def exposure_findings(cfg) -> list[Finding]:
-    """WARN for what the config leaves reachable from the network without a token
-    (issue 12 item 9)."""
+    """WARN for what the config leaves reachable from the network without a token."""
     from gpuguard.sinks.auth import exposure_warnings
 
     where = f"{cfg.listen.address}:{cfg.listen.port}"
@@ -41,7 +40,7 @@ def run(args) -> int:
     exposure: list = []
     state_dir = "/var/lib/gpuguard" if args.sysfs_root == "/" and not args.replay else None
     if args.config:
-        # One loader for everything (issue 14): what the daemon accepts, doctor accepts.
+        # One loader for everything: what the daemon accepts, doctor accepts.
         from gpuguard.config import ConfigError, load_config
 
         try:
@@ -62,7 +61,7 @@ def run(args) -> int:
         findings = diagnose(src.root, report, expected_from_config(entries, report), lines, seen_under_load=seen) + exposure
     finally:
         src.close()
-    if args.config:  # issue 17: the PSU budget from the flight recorder (INCIDENTS §2)
+    if args.config:  # the PSU budget from the flight recorder (INCIDENTS §2)
         from gpuguard.policy.power_doctor import power_findings_from_file
 
         findings += power_findings_from_file(args.config)

@@ -40,8 +40,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def run_bounded(main) -> int:
     """asyncio.run, except that closing the loop does not wait for executor threads: a
-    thread stuck in a wedged device would hold the stop past systemd's TimeoutStopSec
-    (issue 11). Leftover tasks get a short grace, then the loop closes."""
+    thread stuck in a wedged device would hold the stop past systemd's TimeoutStopSec.
+    Leftover tasks get a short grace, then the loop closes."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:

@@ -2,7 +2,7 @@
 turn every validation error into one line that names the key path and the line number
 in the file (`gpus[1].match.bdf (line 14): ...`). An invalid file is never half-used.
 
-Hostile files are answers too, never tracebacks (issue 12): a file over MAX_BYTES, one
+Hostile files are answers too, never tracebacks: a file over MAX_BYTES, one
 that is not UTF-8 (the line of the first bad byte is named), YAML nested deeper than
 MAX_DEPTH (pyyaml composes recursively: 10,000 levels was a RecursionError), anchors
 that expand past MAX_NODES (a "billion laughs" file)."""

@@ -1,4 +1,4 @@
-"""What a SIGHUP reload may change in place, and what only a restart can (issue 11: the
+"""What a SIGHUP reload may change in place, and what only a restart can (the
 log said "applied" while `kernel:` and `engines:` changes were ignored).
 
 `plan_reload(old, new, live_sections)` compares two validated configs key by key and

@@ -12,8 +12,8 @@ from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.kernel.config import KernelConfig
 from gpuguard.profiles.schema import ApplyConfig, Profile, assignment_problems
 
-from gpuguard.config.service import ApiConfig, WebhookConfig  # service layer sections (issue 6)
-from gpuguard.config.power import PowerConfig  # fast power sampling + PSU budget (issue 17)
+from gpuguard.config.service import ApiConfig, WebhookConfig  # service layer sections
+from gpuguard.config.power import PowerConfig  # fast power sampling + PSU budget
 
 
 
@@ -97,11 +97,11 @@ class Config(Strict):
     recorder: RecorderConfig = RecorderConfig()
     kernel: KernelConfig = KernelConfig()
     engines: list[EngineConfig] = []
-    api: ApiConfig = ApiConfig()  # issue 6: control API auth, body limit, UNIX socket
-    webhooks: list[WebhookConfig] = []  # issue 6: alert-grade events POSTed here
+    api: ApiConfig = ApiConfig()  # control API auth, body limit, UNIX socket
+    webhooks: list[WebhookConfig] = []  # alert-grade events POSTed here
     profiles: dict[str, Profile] = {}
     apply: ApplyConfig = ApplyConfig()
-    power: PowerConfig = PowerConfig()  # issue 17: fast power sampling, PSU budget (INCIDENTS §2)
+    power: PowerConfig = PowerConfig()  # fast power sampling, PSU budget (INCIDENTS §2)
 
     @model_validator(mode="after")
     def _profiles_exist(self) -> "Config":

@@ -35,5 +35,5 @@ class WebhookConfig(_Strict):
     timeout_seconds: float = Field(5.0, gt=0, le=60)
     # Attempts after the first; waits 0.5 s, 1 s, 2 s, ... (capped at 30 s) between them.
     retries: int = Field(3, ge=0, le=10)
-    # issue 12: one webhook per condition (kind, GPU, engine) per window; repeats counted
+    # one webhook per condition (kind, GPU, engine) per window; repeats counted
     debounce_seconds: float = Field(60.0, ge=0, le=86400)

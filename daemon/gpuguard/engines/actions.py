@@ -2,7 +2,7 @@
 its process tree, and its cgroup's members when it has one — SIGKILL after the grace
 period, verify every process is gone) and restart (`systemctl restart UNIT`, or kill and
 run the configured command). Never a process group or a session: those may hold
-bystanders (issue 13). Async: waiting out a grace period never blocks the event loop."""
+bystanders. Async: waiting out a grace period never blocks the event loop."""
 from __future__ import annotations
 
 import asyncio

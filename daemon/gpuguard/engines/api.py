@@ -70,7 +70,7 @@ class EngineActions:
         return [snaps[n].to_dict() if n in snaps else {"name": n, "state": "unknown"} for n in sorted(self.wd._engines)]
 
     def incidents(self) -> list[dict[str, Any]]:
-        """Incident bundles under state_dir/incidents (issue 22), oldest first."""
+        """Incident bundles under state_dir/incidents, oldest first."""
         return self.wd.incidents.list() if self.wd.incidents is not None else []
 
     def caches(self) -> list[str]:

@@ -1,4 +1,4 @@
-"""Which processes hold each GPU (issue 13): DRM clients from /proc/<pid>/fdinfo (the
+"""Which processes hold each GPU: DRM clients from /proc/<pid>/fdinfo (the
 kernel's DRM client usage stats, Documentation/gpu/drm-usage-stats.rst: `key:<ws>value
 [unit]`, `drm-pdev` the PCI address, `drm-client-id` one per open DRM file, so dup'd fds
 count once; amdgpu prints `drm-memory-vram`, `drm-engine-gfx: N ns` and `amd-*` keys —

@@ -98,7 +98,7 @@ class EngineConfig(_Strict):
     stall_after: float = Field(60.0, gt=0)
     stall_step_multiple: float | None = Field(None, gt=0)
     stall_floor: float = Field(5.0, gt=0)
-    # INCIDENTS §9 / issue 13: one engine step may carry a whole prompt batch (llama-server
+    # INCIDENTS §9: one engine step may carry a whole prompt batch (llama-server
     # runs up to n_batch prompt tokens in one llama_decode, nothing moves meanwhile). The
     # stall bound stretches to the time that batch takes at the measured prefill rate.
     prefill_batch_tokens: int | None = Field(
@@ -138,7 +138,7 @@ class EngineConfig(_Strict):
         if self.kind == "generic" and not (self.metrics and self.metrics.heartbeat):
             raise ValueError("kind generic needs metrics.heartbeat (a counter that moves every step)")
         if self.action == "restart" and not (self.process.systemd_unit or self.restart_command):
-            # A kill announced as a restart leaves the engine down (issue 13): refuse it.
+            # A kill announced as a restart leaves the engine down: refuse it.
             raise ValueError("action restart needs a way to restart: process.systemd_unit or restart_command "
                              "(e.g. [\"systemctl\", \"start\", \"my-engine\"]); or use action kill")
         if self.kill_after is not None and self.kill_after < self.stall_after:

@@ -1,4 +1,4 @@
-"""What the rest of the daemon tells the engine watchdog about the host (issue 22): the GPU
+"""What the rest of the daemon tells the engine watchdog about the host: the GPU
 telemetry now (for pause statistics) and the telemetry and kernel lines of a time window
 (for incident bundles), from the hub and the flight recorder. Plain callables, so the
 watchdog stays testable without a daemon."""

@@ -1,4 +1,4 @@
-"""Incident bundles (issue 22): the evidence of an engine stall, taken before the kill
+"""Incident bundles: the evidence of an engine stall, taken before the kill
 destroys it, under `state_dir/incidents/<engine>-<UTC time>/`:
 
 - `decision.json`  the stall decision and its evidence, the graded-response times;

@@ -59,7 +59,7 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
         if g.vram_bytes is not None:
             held.add_metric([gpu, str(g.pid), g.comm, engine], float(g.vram_bytes))
     pauses = HistogramMetricFamily("gpuguard_engine_pause_seconds",
-                                   "No-progress periods with work pending that ended by themselves (issue 22): how "
+                                   "No-progress periods with work pending that ended by themselves: how "
                                    "long freezes last, to choose kill_after", labels=["engine"])
     for name, (buckets, total, count) in sorted(wd.pause_histograms().items()):
         pauses.add_metric([name], [(f"{b:g}", float(n)) for b, n in zip(PAUSE_BUCKETS, buckets)] + [("+Inf", float(count))],

@@ -2,7 +2,7 @@
 restart the old one is gone or reused), and reading their CPU time and state from /proc.
 The engine is its main process and that process's descendants, or every process of its
 cgroup (a systemd unit's, or a configured one): never a process group or session, which
-may hold bystanders (issue 13). Blocking; the watchdog calls `resolve` in a worker thread."""
+may hold bystanders. Blocking; the watchdog calls `resolve` in a worker thread."""
 from __future__ import annotations
 
 import os
@@ -118,7 +118,7 @@ SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash", "busybox"}
 
 def _is_shell_script(argv: list[str]) -> bool:
     """`sh -c "... engine ... &"`: the launcher's command line names the engine, but the
-    shell is not the engine; killing it would take its other jobs (issue 13)."""
+    shell is not the engine; killing it would take its other jobs."""
     return bool(argv) and os.path.basename(argv[0]) in SHELLS and "-c" in argv[1:3]
 
 

@@ -34,7 +34,7 @@ class EngineSnapshot:
     polled_at: float = 0.0
     polls: int = 0
     error: str | None = None
-    pauses: int = 0  # no-progress periods that ended by themselves (issue 22)
+    pauses: int = 0  # no-progress periods that ended by themselves
     longest_pause_today_seconds: float | None = None
     last_incident: str | None = None  # the newest incident bundle's folder name
     evidence: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)

@@ -15,7 +15,7 @@ Rules (ENGINES.md "How to detect a stall from outside", INCIDENTS §1, §8, §9)
 - While starting (a new PID whose health is not ready yet) all of that is off; time to
   ready is measured from the new PID's start time (§8).
 
-Progress is any of: the step counter, live generated tokens, prompt tokens (issue 13, §9: a
+Progress is any of: the step counter, live generated tokens, prompt tokens (§9: a
 long prefill starving decode is work, never a stall). One step may carry a whole prompt
 batch during which nothing moves and llama-server answers no /metrics at all: while the
 GPU process can be working (not stopped, its CPU time moving) and a prefill rate has been

@@ -49,7 +49,7 @@ class _Engine:
     gpu_holders: tuple[GpuProcess, ...] = ()  # its processes' holds on GPUs, last scan
     held_by: dict[int, GpuProcess] = field(default_factory=dict)  # pid -> hold, seen while it ran
     vram_alerted: bool = False
-    # issue 22: the graded response and its evidence
+    # the graded response and its evidence
     episode_at: float | None = None  # when the current stall/unhealthy episode was declared
     dumped: bool = False
     acted: bool = False
@@ -64,7 +64,7 @@ class _Engine:
 
     @property
     def gpus(self) -> tuple[str, ...]:
-        """Configured GPUs, else the ones its processes hold (issue 13)."""
+        """Configured GPUs, else the ones its processes hold."""
         if self.cfg.gpus:
             return tuple(self.cfg.gpus)
         return tuple(sorted({g.bdf for g in self.gpu_holders}))
@@ -93,7 +93,7 @@ class EngineWatchdog:
         self._engines: dict[str, _Engine] = {}
         self._actions: Counter[tuple[str, str, str]] = Counter()
         # Stall episodes, counted: the stalled gauge is 1 only until a kill ends the
-        # episode (~50 ms), shorter than any scrape interval (issue 21).
+        # episode (~50 ms), shorter than any scrape interval.
         self._stalls: Counter[tuple[str, str]] = Counter()
         self._cache_scans: dict[str, CacheScan] = {}
         self._cache_owner: dict[str, str] = {}

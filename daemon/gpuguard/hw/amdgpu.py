@@ -214,7 +214,7 @@ def _device_probes(root: SysfsRoot, dev: str) -> tuple[Probe, ...]:
     return tuple(Probe(key, f"{dev}/{name}", parse) for key, name, parse in wanted if root.exists(f"{dev}/{name}"))
 
 
-# Live readings pass plausibility bounds (hw/plausible.py, issue 12); limits do not.
+# Live readings pass plausibility bounds (hw/plausible.py); limits do not.
 _TEMP = plausible.bounded(files.parse_millicelsius, "temperature")
 _POWER = plausible.bounded(files.parse_microwatts, "power")
 _CLOCK = plausible.bounded(files.parse_hertz, "clock")

@@ -1,6 +1,6 @@
 """Blocking hardware calls on daemon threads, so a call stuck in a wedged device can be
 abandoned: a read of a card that stopped answering or an OD write the driver never
-returns from must not hold up SIGTERM (issue 11: 40 s after SIGTERM the daemon still
+returns from must not hold up SIGTERM (40 s after SIGTERM the daemon still
 ran). The standard pools cannot do that: `concurrent.futures` joins its workers at
 interpreter exit and asyncio's default executor is waited for when the loop closes.
 

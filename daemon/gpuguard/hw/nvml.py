@@ -172,7 +172,7 @@ class NvmlSource:
     def processes(self, dev: NvmlDevice) -> dict[int, int | None]:
         """pid -> GPU memory bytes (None when NVML does not say: NVML_VALUE_NOT_AVAILABLE,
         or no memory accounting in a container) of the compute and graphics processes on
-        the GPU (issue 13: per-process attribution). Not supported = empty."""
+        the GPU (per-process attribution). Not supported = empty."""
         n = self.nvml
         h = n.nvmlDeviceGetHandleByIndex(dev.index)
         out: dict[int, int | None] = {}

@@ -1029,7 +1029,7 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
     configured name (default `card` + PCI address). A value that is unknown is left out,
     never exported as zero."""
     aer_seen: set[str] = set()
-    # The GPUs behind each hop, so an AER alert names them (issue 21); a switch or root
+    # The GPUs behind each hop, so an AER alert names them; a switch or root
     # port shared by several GPUs names them all, comma-separated, in one series.
     behind: dict[str, list[str]] = {}
     for g in report.gpus:

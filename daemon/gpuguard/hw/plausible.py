@@ -1,6 +1,6 @@
 """Plausibility bounds per sensor kind. A reading outside them is not a number to export
 or record: it is an unreadable value, with an error naming the file and what it held
-(issue 12: a `temp1_input` holding -99999999999999999999999999 was exported and
+(a `temp1_input` holding -99999999999999999999999999 was exported and
 recorded as -1e23 °C). The bounds are wide — physics, not policy: they catch garbage,
 never a hot card."""
 from __future__ import annotations

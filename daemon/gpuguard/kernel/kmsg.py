@@ -262,7 +262,7 @@ class KmsgReader:
     def commit(self, seq: int) -> None:
         """Record `seq` as handled and save the position now, synchronously. Called just
         before an alert about record `seq` is queued: with the 1 s save interval alone, a
-        SIGKILL right after an alert re-alerted that line on the next start (issue 12)."""
+        SIGKILL right after an alert re-alerted that line on the next start."""
         if self.done_seq is None or seq > self.done_seq:
             self.done_seq = seq
         with self._save_lock:

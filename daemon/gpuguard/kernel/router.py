@@ -122,7 +122,7 @@ class KernelEventRouter:
         return None
 
     def handle_external(self, event: Event, clears: Iterable[str] = ()) -> Event | None:
-        """An event from another source of the same facts (NVML's event set, issue 18):
+        """An event from another source of the same facts (NVML's event set):
         same kinds, same policy; dropped when the other source already reported it."""
         if self._seen_elsewhere(event):
             return None
@@ -179,7 +179,7 @@ class KernelEventRouter:
 
     def _emit(self, event: Event, clears: Iterable[str]) -> None:
         if event.alert_grade and event.kind in self.policy and "alert" not in self.policy[event.kind]:
-            # issue 12: `kernel.policy: {gpu_hang: []}` still sent webhooks; the notifier
+            # `kernel.policy: {gpu_hang: []}` still sent webhooks; the notifier
             # skips events marked so (sinks/alert_gate.py)
             event = dataclasses.replace(event, fields={**event.fields, "alert": False})
         self._record(event)

@@ -2,7 +2,7 @@
 never its changing text) raises one event when it starts, none while it holds, and one
 `<kind>_cleared` event when it ends — each with a debounce, so a reading that flickers
 (load swinging between idle and busy, a value on a threshold) does not re-fire it
-(issue 14: five alerts in 2.5 minutes for one unchanged hop)."""
+(five alerts in 2.5 minutes for one unchanged hop)."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,4 @@
-"""Alert-grade conditions read from the GPU poll, as gpuguard events (issue 21): a sensor at
+"""Alert-grade conditions read from the GPU poll, as gpuguard events: a sensor at
 or over its emergency temperature, and a card held at its power cap. Prometheus alerts on
 the same figures; these events reach the webhooks (and `gpuguard events`) even where no
 Prometheus is watching, as the notifier's contract says of a thermal emergency.

@@ -1,6 +1,6 @@
 """What happens to the engines when a GPU is lost or comes back, whatever the route
 (gone from the bus, not answering past `poll.lost_after_seconds`, a kernel line, a udev
-remove): one policy for all of them (issue 11: only a kernel line used to kill).
+remove): one policy for all of them (only a kernel line used to kill).
 
 - lost: the engines on that GPU are killed at once (INCIDENTS §1: both GPUs were off the
   bus within a minute of the stall; an engine on a dead GPU only hangs its clients). The

@@ -1,6 +1,6 @@
 """The links seen slow while their GPU worked: (gpu, upper, lower) -> (when, GT/s). A link
 that idles slow is power saving, one that ran slow under load is a fault, and it stays one
-while the GPU idles until the link is seen at full speed (issue 14). The daemon keeps it
+while the GPU idles until the link is seen at full speed. The daemon keeps it
 in its state dir so `gpuguard doctor` judges a hop by the same history; entries from
 before the last boot are dropped (the link trained again at boot)."""
 from __future__ import annotations

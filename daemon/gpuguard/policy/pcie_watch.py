@@ -42,7 +42,7 @@ class PcieWatch:
         gpu_names: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.hub = hub
-        self.gpu_names = gpu_names  # bdf -> configured name, so events carry `gpu` (issue 21)
+        self.gpu_names = gpu_names  # bdf -> configured name, so events carry `gpu`
         self.root = root
         self.expected = expected
         self.interval = interval

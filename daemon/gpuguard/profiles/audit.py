@@ -42,7 +42,7 @@ class AuditLog:
 
     def before(self, gpu: str, profile: str, who: str, why: str) -> None:
         """The record written before a card is touched; raises AuditUnavailable when it
-        cannot be written, and then nothing is applied (issue 12)."""
+        cannot be written, and then nothing is applied."""
         with self._lock:
             self._log.record("profile_apply", who, why, target=gpu, evidence={"profile": profile},
                              result="started", required=True)

@@ -58,7 +58,7 @@ class ProfileLedger:
             return (gpu in self.in_effect, self.in_effect.get(gpu))
 
     def mark_lost(self, gpu: str) -> None:
-        """A card gone from the bus has no profile in effect (issue 21: it kept reporting
+        """A card gone from the bus has no profile in effect (it kept reporting
         verified 1): its state becomes `lost`. Not an apply, so not counted; the card gets
         its profile applied again when it comes back (lifecycle.on_appear). Its clock findings,
         and its twins' findings against it, go: a held verdict must not outlive its card."""

@@ -176,7 +176,7 @@ class ProfileRuntime:
             if profile is None:
                 return None
             generation = s.generation
-            try:  # no audit record, no write (issue 12)
+            try:  # no audit record, no write
                 await asyncio.get_running_loop().run_in_executor(None, self.audit.before, s.name, s.profile, who, why)
             except AuditUnavailable as e:
                 log.error("profile %s not applied to %s: %s", s.profile, s.name, e)
@@ -246,7 +246,7 @@ class ProfileRuntime:
                 self.ledger.set_effective(
                     {g: (on_card[g][0] if g in on_card else "", mhz) for g, mhz in observed.items()}, findings,
                     compared)
-                # One event when a clock finding starts, one when it ends (issue 14).
+                # One event when a clock finding starts, one when it ends.
                 for ev in self.clock_conditions.update({
                     (x.gpu, x.kind): Event(f"clock_{x.kind}", "warning", "profiles", x.message, gpu=x.gpu,
                                            fields={"peer": x.peer, "observed_mhz": round(x.observed_mhz),

@@ -62,7 +62,7 @@ class SafeModeGuard:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)  # the state must survive the very crash it records
         except OSError as e:
-            # issue 12: a read-only or full state_dir crashed the start here. The marker is
+            # a read-only or full state_dir crashed the start here. The marker is
             # lost; applies are refused anyway while the audit log cannot be written.
             log.error("safe-mode marker not saved path=%s error=%s", self.path, e.strerror or e)
 

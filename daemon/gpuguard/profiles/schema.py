@@ -69,7 +69,7 @@ class ApplyConfig(_Strict):
     wait_timeout_seconds: float = Field(120.0, ge=0, le=3600)
     retries: int = Field(3, ge=0, le=20, description="re-writes after a read-back mismatch")
     backoff_seconds: float = Field(0.5, ge=0, le=60, description="first retry delay; doubles per retry")
-    # issue 11: one card's whole apply (reads, writes, read-back, retries) must end within
+    # one card's whole apply (reads, writes, read-back, retries) must end within
     # this; a card whose OD file blocks is abandoned with an alert, never waited on forever
     timeout_seconds: float = Field(30.0, gt=0, le=600, description="one card's apply must finish in this time")
     drift_check: bool = Field(True, description="compare every poll with the profile and re-apply on drift")

@@ -10,7 +10,7 @@ It runs as a thread in the server process (llama-server: one process) or as its 
 process speaking JSON lines on stdin/stdout (vLLM EngineCore, SGLang scheduler), so the
 GPU-owning process is distinct from the API server, as on a real host.
 
-Prompts (issue 13, INCIDENTS §9): with a prefill rate set, a prompt is computed in batches of
+Prompts (INCIDENTS §9): with a prefill rate set, a prompt is computed in batches of
 at most `batch` tokens, one batch per step, each step taking batch tokens / rate seconds of
 CPU (as a real prefill computes, or spins on its GPU queue). llama-server batches the busy
 slots' decode tokens with the prompt batch (one token each per step, but a long step);

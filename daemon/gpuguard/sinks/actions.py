@@ -17,7 +17,7 @@ Provider contract (what each callable receives and may raise):
   caches() -> list[str]                          names of configured compile caches
   pcie() -> dict                                 the PCIe report, JSON-able
   power() -> dict | None                         the last power interval (policy/psu.HostPower)
-  incidents() -> list of {"name": str, ...}      engine incident bundles (issue 22)
+  incidents() -> list of {"name": str, ...}      engine incident bundles
 Raise `UnknownTarget` (404) for a name the provider does not know and `ActionRefused`
 (409) for a refused action (out of range, GPU lost, ...); the message is shown as is.
 Mutating providers may be coroutine functions; plain functions run in a worker thread
@@ -80,7 +80,7 @@ class Actions:
     profiles: Callable[[], Any] | None = None
     caches: Callable[[], Any] | None = None
     pcie: Callable[[], Any] | None = None
-    power: Callable[[], Any] | None = None  # issue 17: fast-sampled peaks and the PSU verdict
+    power: Callable[[], Any] | None = None  # fast-sampled peaks and the PSU verdict
     incidents: Callable[[], Any] | None = None
 
     @classmethod

@@ -1,6 +1,6 @@
 """Which alert-grade events become webhooks, and what a full webhook queue gives up.
 
-Debounce (issue 12: a kernel flood sent 643 webhooks and dropped 3,365, losing the real
+Debounce (a kernel flood sent 643 webhooks and dropped 3,365, losing the real
 alert behind it): one webhook per condition — event kind, GPU, engine — per window. The
 repeats inside the window are counted; the next webhook for that condition carries the
 count (`fields.suppressed_repeats`), and `gpuguard_alerts_suppressed_total{kind}` counts

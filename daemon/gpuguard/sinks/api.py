@@ -125,7 +125,7 @@ class ActionContext:
     reason: str | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
     # called by each action right before it changes anything: writes the audit record
-    # first and raises 503 when it cannot (issue 12)
+    # first and raises 503 when it cannot
     before_act: Callable[[], None] = lambda: None
 
     @property
@@ -142,7 +142,7 @@ MAX_BODY_DEPTH = 16  # the bodies are flat objects; deep nesting is only an atta
 
 def json_depth(raw: bytes, limit: int) -> int:
     """Deepest [/{ nesting of a JSON text (strings skipped), counted before parsing so a
-    deep body never reaches the recursive parser (issue 12: it answered 500). Stops
+    deep body never reaches the recursive parser (it answered 500). Stops
     counting past `limit`."""
     depth = deepest = 0
     in_str = esc = False
@@ -398,7 +398,7 @@ def build_app(
 
     def write_ahead(what: str, caller: Caller, ctx: ActionContext) -> None:
         """The audit record, written and fsynced before the action acts. No record, no
-        action: 503, an alert, and nothing reaches the provider (issue 12 item 1)."""
+        action: 503, an alert, and nothing reaches the provider."""
         audit = app.state.audit
         if audit is None:
             return
@@ -435,7 +435,7 @@ def build_app(
         last = hub.last_poll.get("gpu")
         doc: dict[str, Any] = {"ok": hub.poll_fresh(), "last_poll": last}
         state = getattr(app.state, "state_health", None)
-        if state is not None:  # telemetry runs without it; audited actions do not (issue 12)
+        if state is not None:  # telemetry runs without it; audited actions do not
             doc["state_dir"] = state().to_dict()
         return doc
 

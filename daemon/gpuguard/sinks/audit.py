@@ -23,7 +23,7 @@ AUDIT_FILE = "audit.jsonl"
 
 class AuditUnavailable(Exception):
     """The audit record could not be written (disk full, read-only, missing folder): the
-    action it was for must not happen (issue 12: a change went through on a full disk)."""
+    action it was for must not happen (a change went through on a full disk)."""
 
 
 def jsonable(v: Any) -> Any:

@@ -148,7 +148,7 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 def exposure_warnings(listen_address: str, open_reads: bool, token_file: str | None) -> list[str]:
-    """What is reachable from the network without a token (issue 12 item 9: reads were
+    """What is reachable from the network without a token (reads were
     served to anyone without a word). Said at start and by `gpuguard doctor`."""
     if is_loopback(listen_address):
         return []

@@ -74,7 +74,7 @@ class WebhookNotifier:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: httpx.AsyncClient | None = None
         # called on the loop, synchronously, before an admitted alert is queued (the kmsg
-        # reader saves its position here: a crash never re-alerts an alerted line, issue 12)
+        # reader saves its position here: a crash never re-alerts an alerted line)
         self.before_send: list = []
         self.suppressed: collections.Counter[str] = collections.Counter()  # kind -> debounced repeats
         hub.on_event(self._on_event)

@@ -64,7 +64,7 @@ CREATE TABLE IF NOT EXISTS engine_samples (
 );
 CREATE INDEX IF NOT EXISTS engine_samples_t ON engine_samples(t);
 """
-# issue 17: the fast power sampler's per-interval statistics, the host PSU verdict, and the
+# the fast power sampler's per-interval statistics, the host PSU verdict, and the
 # raw samples around a power alert (INCIDENTS §2: the seconds before a trip must survive it).
 POWER_TABLES = {"power_windows": 9, "power_host": 7, "power_burst": 4}
 EVENT_BACKLOG = 50_000  # events waiting for the next cycle; past it they are counted lost

@@ -3,7 +3,7 @@ ExecReload=) waits for it, so `systemctl reload gpuguard` returns only once the 
 is in effect — or fails when it was refused.
 
 Why a file: `ExecReload=/bin/kill -HUP $MAINPID` returns at once and systemd finishes the
-reload job before the daemon has read the file (issue 19: seen once in three);
+reload job before the daemon has read the file (seen once in three);
 systemd.service(5) asks for a reload command that waits. `Type=notify-reload` would do it
 with RELOADING=1/READY=1 alone, but needs systemd ≥ 253 (Debian 12 has 252).
 

@@ -7,7 +7,7 @@ verified), which engines sit on it, its kernel counters and active conditions.
 Sources report into it (discovery → `observe`, reads → `answering`/`not_answering`,
 kernel lines and udev → `mark_lost`/`back`/`reset`/`kernel_event`); policy listens
 (`on_lost`, `on_back`, `on_new`); everything that writes a card asks `may_write` first.
-Nothing else keeps a second copy: "lost" in three sets was the bug (issue 11).
+Nothing else keeps a second copy: "lost" in three sets was the bug.
 
 Runs on the event loop; `may_write` is also called from apply threads (a read).
 """

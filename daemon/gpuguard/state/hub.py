@@ -76,7 +76,7 @@ class Hub:
         self.last_poll[source] = snap.time
 
     def poll_fresh(self, now: float | None = None) -> bool:
-        """True when the GPU poll loop finished a cycle recently enough (issue 11: /healthz
+        """True when the GPU poll loop finished a cycle recently enough (/healthz
         said ok while nothing had been polled for 40 s)."""
         last = self.last_poll.get("gpu")
         if last is None:

@@ -3,7 +3,7 @@
 One daemon per state folder: the daemon holds an exclusive `flock` on the folder itself
 for its whole life (a lock on the directory's own descriptor works on a read-only mount
 too, and dies with the process, SIGKILL included). A second daemon on the same folder
-refuses to start and names the holder's PID (issue 12: two daemons both applied
+refuses to start and names the holder's PID (two daemons both applied
 profiles and the recorder got every row twice).
 
 Usable or not: the audit log, the safe-mode marker, the kmsg position and the recorder
