@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -87,7 +88,10 @@ def test_sim_engine_gpu_from_fdinfo_metric_and_vram_held_after_it_is_gone(tmp_pa
     assert hold.pid == core and hold.vram_bytes == 512 * 2**20  # two fds, one client: counted once
     attribution = GpuAttribution(proc, gpu_names=lambda: {"0000:03:00.0": "r9700-a"})
     events: list = []
-    cfg = engine_cfg("v", "vllm", sim.url, process={"cmdline": rf"--kind vllm --port {sim.port}( |$)"},
+    # the API server alone, by this test's own --drm-root too: a process left by another
+    # test whose command line names the same port must not stand in for it
+    cfg = engine_cfg("v", "vllm", sim.url,
+                     process={"cmdline": rf"--kind vllm --port {sim.port} --drm-root {re.escape(str(proc))}( |$)"},
                      poll_interval=0.2, http_timeout=0.5)  # no gpus: from what it holds
     wd = EngineWatchdog([cfg], lambda r: None, events.append, attribution=attribution)
 
