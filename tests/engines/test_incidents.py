@@ -114,8 +114,12 @@ def test_freeze_shorter_than_kill_after_is_a_pause_not_a_kill(sims, tmp_path):
     assert wd.snapshots()["e"].longest_pause_today_seconds == pytest.approx(pause["seconds"], abs=0.01)
 
 
-@pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy (pip install py-spy) and ptrace")
-def test_pyspy_stacks_name_the_function_a_stalled_python_engine_is_stuck_in(sims, tmp_path):
+NEEDS_PYSPY = pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy (pip install py-spy) and ptrace")
+
+
+def _bundle_of_a_python_engine(sims, tmp_path, freeze) -> tuple:
+    """A simulated llama-server decoding under an `alert` watchdog with incident bundles;
+    `freeze(sim)` stops its progress; -> (sim, the bundle's folder) once the bundle is written."""
     sim = sims("llamacpp")
     store = IncidentStore(tmp_path / "incidents", collector_timeout=30)
     events: list = []
@@ -124,38 +128,39 @@ def test_pyspy_stacks_name_the_function_a_stalled_python_engine_is_stuck_in(sims
     async def scenario():
         await asyncio.to_thread(sim.control, "requests", count=1)
         assert await run_watchdog_until(wd, lambda: (s := wd.snapshots().get("e")) and s.tokens_per_second, 20)
-        await asyncio.to_thread(sim.control, "stall")  # the main loop spins in Core.loop
+        await asyncio.to_thread(freeze, sim)
         assert await run_watchdog_until(wd, lambda: "engine_incident" in _kinds(events), 20)
         await store.aclose(60)
 
     asyncio.run(scenario())
     (folder,) = (tmp_path / "incidents").iterdir()
+    return sim, folder
+
+
+@NEEDS_PYSPY
+def test_pyspy_stacks_name_the_function_a_stalled_python_engine_is_stuck_in(sims, tmp_path):
+    # the main loop spins in Core.loop
+    sim, folder = _bundle_of_a_python_engine(sims, tmp_path, lambda sim: sim.control("stall"))
     text = (folder / f"py-spy-{sim.pid}.txt").read_text()
     assert "Thread" in text and "main-loop" in text, text  # every thread, by name
     assert "loop (gpuguard/sim/engines_core.py" in text, text  # where the stuck thread is
 
 
-@pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy (pip install py-spy) and ptrace")
+@NEEDS_PYSPY
 def test_pyspy_stacks_of_a_sigstopped_python_engine(sims, tmp_path):
     """A frozen engine (state T) cannot be suspended by py-spy ("Failed to suspend process"):
     it is already stopped, so its stacks are read without suspending it."""
-    sim = sims("llamacpp")
-    store = IncidentStore(tmp_path / "incidents", collector_timeout=30)
-    events: list = []
-    wd = EngineWatchdog([_cfg(sim, action="alert")], lambda r: None, events.append, incidents=store)
+    stopped: list = []
 
-    async def scenario():
-        await asyncio.to_thread(sim.control, "requests", count=1)
-        assert await run_watchdog_until(wd, lambda: (s := wd.snapshots().get("e")) and s.tokens_per_second, 20)
+    def freeze(sim):
         os.kill(sim.pid, signal.SIGSTOP)
-        try:
-            assert await run_watchdog_until(wd, lambda: "engine_incident" in _kinds(events), 20)
-            await store.aclose(60)
-        finally:
-            os.kill(sim.pid, signal.SIGCONT)
+        stopped.append(sim.pid)
 
-    asyncio.run(scenario())
-    (folder,) = (tmp_path / "incidents").iterdir()
+    try:
+        sim, folder = _bundle_of_a_python_engine(sims, tmp_path, freeze)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
     assert json.loads((folder / "processes.json").read_text())[0]["state"] == "T"
     text = (folder / f"py-spy-{sim.pid}.txt").read_text()
     assert "Thread" in text and "main-loop" in text and "exited" not in text, text
