@@ -45,7 +45,7 @@ from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.sinks.reload_marker import ReloadMarker
 # -- service layer: auth, audit, webhooks, sd_notify --
 from gpuguard.sinks.actions import Actions
-from gpuguard.sinks.audit import AuditLog
+from gpuguard.state.audit import AuditLog
 from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore, exposure_warnings
 from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.systemd import SystemdNotify
@@ -187,8 +187,8 @@ class Daemon:
         # NVIDIA cards are applied through NVML when the host has an NVML source
         self.profiles = ProfileRuntime(ProfilesConfig.from_root(config), self.gpus, self.hub, self.root,
                                        discover=self.poller.discover,
-                                       nvml=next((s for s in self.sources if getattr(s, "name", "") == "nvml"), None))
-        self.profiles.audit._log.health = self.state_dir  # /healthz, STATUS=
+                                       nvml=next((s for s in self.sources if getattr(s, "name", "") == "nvml"), None),
+                                       audit=self.audit)
         self.on_ready.append(self.profiles.on_ready)
         self.poller.on_cycle.append(self.profiles.on_cycle)
         self.metrics.add("profiles", self.profiles.ledger.metrics)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from engines.engines_harness import SimEngine, alive
-from gpuguard.profiles.audit import read_audit
+from gpuguard.state.audit import profile_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.fuse, pytest.mark.network]  # registered in pyproject.toml
 
@@ -79,7 +79,7 @@ def test_apply_with_an_address_matched_card_missing_exits_1_naming_it(sim, tmp_p
 
 
 def verified(tmp_path, gpu):
-    return [r for r in read_audit(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified" and r["gpu"] == gpu]
+    return [r for r in profile_records(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified" and r["gpu"] == gpu]
 
 
 def status(d) -> dict:
@@ -192,7 +192,7 @@ def test_a_card_matched_by_address_does_not_follow_it_to_another_address(sim_spa
     wait_for(lambda: d.value("gpuguard_last_poll_timestamp_seconds", source="gpu") > polled + 1.0, timeout=20,
              what="polls for a second more")
     assert sim.hwmon(MOVED, "power1_cap") == sim.hwmon(MOVED, "power1_cap_default") != "210000000\n"
-    assert not [r for r in read_audit(tmp_path / "state" / "audit.jsonl") if stranger in json.dumps(r) or MOVED in json.dumps(r)]
+    assert not [r for r in profile_records(tmp_path / "state" / "audit.jsonl") if stranger in json.dumps(r) or MOVED in json.dumps(r)]
     kinds = [x["kind"] for x in __import__("httpx").get(f"{d.base}/v1/events").json()]
     assert "gpu_back" not in kinds and "gpu_appeared" in kinds
     assert "Traceback" not in d.log.read_text()

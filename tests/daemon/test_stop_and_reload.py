@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpuguard.profiles.audit import read_audit
+from gpuguard.state.audit import profile_records
 from gpuguard.sim.host import SimHost
 from support import poll_until
 
@@ -275,7 +275,7 @@ def test_sigterm_during_a_retry_backoff_stops_without_writing_again(tmp_path, mo
     audit = tmp_path / "state" / "audit.jsonl"
     poll_until(lambda: d.alive() and audit.exists() and
                any(r.get("file", "").endswith("pp_od_clk_voltage") and r["gpu"] == "xtx-a" and r.get("value") == "c"
-                   for r in read_audit(audit)), 60, "xtx-a's first commit")
+                   for r in profile_records(audit)), 60, "xtx-a's first commit")
     n = len(writes_to(m, XTX_A))
     t_sig = time.time()
     took = d.sigterm()
@@ -303,7 +303,7 @@ def test_a_card_the_first_poll_found_not_answering_is_not_written(tmp_path, moun
     port = free_port()
     d = run(config(tmp_path, m.mountpoint, port), port)
     poll_until(lambda: d.alive() and d.said("READY=1"), 60, "READY=1")
-    poll_until(lambda: {r["gpu"] for r in read_audit(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified"}
+    poll_until(lambda: {r["gpu"] for r in profile_records(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified"}
                == {"r9700-a", "r9700-b", "xtx-a"}, 60, "the three answering cards verified")
     assert writes_to(m, XTX_A) and not writes_to(m, XTX_B)
     events = httpx.get(f"{d.base}/v1/events", timeout=5).json()
@@ -311,7 +311,7 @@ def test_a_card_the_first_poll_found_not_answering_is_not_written(tmp_path, moun
     # it answers again: now its profile is applied
     m.host.unblock(XTX_B)
     poll_until(lambda: any(r["action"] == "verified" and r["gpu"] == "xtx-b"
-                           for r in read_audit(tmp_path / "state" / "audit.jsonl")), 60, "xtx-b verified once answering")
+                           for r in profile_records(tmp_path / "state" / "audit.jsonl")), 60, "xtx-b verified once answering")
     assert d.sigterm() < STOP_BOUND_S
 
 
@@ -399,7 +399,7 @@ def test_sighup_applies_each_section_or_names_it_as_needing_restart(tmp_path, mo
     assert kernel_count(d, "oom_kill") >= 1 and kernel_count(d, "hung_task") >= 1
     assert httpx.get(f"{d.base}/v1/config", timeout=5).json()["poll"]["interval_seconds"] == 0.5
     # the changed profile is re-applied: 1800 MHz read back on both XTX
-    poll_until(lambda: sum(1 for r in read_audit(tmp_path / "state" / "audit.jsonl")
+    poll_until(lambda: sum(1 for r in profile_records(tmp_path / "state" / "audit.jsonl")
                            if r["action"] == "verified" and r["gpu"].startswith("xtx") and "reloaded" in r["why"]) == 2,
                60, "both XTX re-applied with the changed profile")
     assert m.host.gpu(XTX_A).od.active["sclk_max"] == 1800

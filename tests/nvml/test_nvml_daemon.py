@@ -17,7 +17,7 @@ from gpuguard.config import load_config
 from gpuguard.daemon import Daemon
 from gpuguard.hw.nvml import NvmlSource
 from gpuguard.hw.nvml_replay import NvmlTimeline
-from gpuguard.profiles.audit import read_audit
+from gpuguard.state.audit import profile_records
 
 from .fake_nvml import CAPTURE, FakeCard, FakeNvml
 import pytest
@@ -78,7 +78,7 @@ def state(d, bdf):
 
 
 def verified(tmp_path, gpu):
-    return [r for r in read_audit(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified" and r["gpu"] == gpu]
+    return [r for r in profile_records(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified" and r["gpu"] == gpu]
 
 
 def test_nvidia_cards_are_applied_verified_refused_late_reapplied_and_api_applied(tmp_path, monkeypatch):
@@ -153,7 +153,7 @@ def test_nvidia_cards_are_applied_verified_refused_late_reapplied_and_api_applie
                                     headers={"Authorization": f"Bearer {TOKEN}"})
                 assert r.status_code == 409 and "locked clocks" in r.text, r.text
             assert nv.cards[2].limit_mw == 300_000
-            api = [x for x in read_audit(tmp_path / "state" / "audit.jsonl") if x["who"] == "api:ops"
+            api = [x for x in profile_records(tmp_path / "state" / "audit.jsonl") if x["who"] == "api:ops"
                    and x["action"] == "write"]
             assert [(x["gpu"], x["nvml"], x["result"]) for x in api] == [
                 ("h200-c", "nvmlDeviceSetPowerManagementLimit(300000)", "ok"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.profiles.audit import read_audit
+from gpuguard.state.audit import profile_records
 from gpuguard.sim.host import SimHost
 from support import poll_until
 
@@ -87,7 +87,7 @@ class Daemon:
 
 
 def verified_gpus(state_dir):
-    return {r["gpu"] for r in read_audit(os.path.join(state_dir, "audit.jsonl")) if r["action"] == "verified"}
+    return {r["gpu"] for r in profile_records(os.path.join(state_dir, "audit.jsonl")) if r["action"] == "verified"}
 
 
 def wait_until(cond, timeout, what):
@@ -164,7 +164,7 @@ def test_late_card_after_ready_is_applied_on_appearance(tmp_path, mount_sim, lat
         assert verified_gpus(tmp_path / "state") == set(GPUS) - {"r9700-b"}
         m.host.appear("0000:08:00.0")
         wait_until(lambda: "r9700-b" in verified_gpus(tmp_path / "state"), 30, "late card verified")
-        rec = [r for r in read_audit(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified" and r["gpu"] == "r9700-b"]
+        rec = [r for r in profile_records(tmp_path / "state" / "audit.jsonl") if r["action"] == "verified" and r["gpu"] == "r9700-b"]
         assert "appeared" in rec[0]["why"]
     finally:
         d.stop()
@@ -176,13 +176,13 @@ def test_gpu_reset_drift_is_reapplied_within_two_cycles(tmp_path, mount_sim):
     audit = tmp_path / "state" / "audit.jsonl"
     try:
         d.wait_for("READY=1")
-        n = len(read_audit(audit))
+        n = len(profile_records(audit))
         t_reset = time.time()
         m.host.reset_gpu("0000:aa:00.0")
         assert m.host.gpu("0000:aa:00.0").od.active["sclk_max"] == 2500  # stock again, silently
-        rec = wait_until(lambda: [r for r in read_audit(audit)[n:] if r["action"] == "verified"], 30, "re-apply")
+        rec = wait_until(lambda: [r for r in profile_records(audit)[n:] if r["action"] == "verified"], 30, "re-apply")
         assert rec[0]["gpu"] == "xtx-a" and rec[0]["why"].startswith("drift: sclk_max_mhz 2000→2500")
-        first_write = next(r for r in read_audit(audit)[n:] if r["action"] == "write")
+        first_write = next(r for r in profile_records(audit)[n:] if r["action"] == "write")
         # detected and re-applied within two poll cycles (plus the apply itself, and slack
         # for a small shared 2-core box, where such runs took 1.19 and 1.49 s)
         assert first_write["time"] - t_reset <= 2 * INTERVAL + 2.5

@@ -17,7 +17,7 @@ import uvicorn
 from gpuguard.config import Config
 from gpuguard.sinks.actions import ActionRefused, Actions, UnknownTarget
 from gpuguard.sinks.api import build_app
-from gpuguard.sinks.audit import AuditLog
+from gpuguard.state.audit import AuditLog
 from gpuguard.sinks.auth import AccessPolicy, TokenStore
 from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.state.hub import HostSnapshot, Hub

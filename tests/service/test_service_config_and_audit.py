@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from gpuguard.config import ConfigError, parse_config
-from gpuguard.sinks.audit import AuditLog
+from gpuguard.state.audit import AuditLog
 
 
 def test_service_sections_hang_off_the_root_config():

@@ -62,9 +62,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from gpuguard.hw import amdgpu
     from gpuguard.hw.sysfs import SysfsRoot
     from gpuguard.profiles.apply import Applier, CardTarget
-    from gpuguard.profiles.audit import AuditLog, audit_path
     from gpuguard.profiles.safemode import SafeModeGuard
     from gpuguard.profiles.schema import ProfilesConfig
+    from gpuguard.state.audit import AuditLog, AuditUnavailable
     from gpuguard.state.identity import identify
 
     try:
@@ -81,24 +81,22 @@ def cmd_apply(args: argparse.Namespace) -> int:
     devices = amdgpu.discover(root)
     from gpuguard.hw import nvml_profile
 
-    audit = AuditLog(audit_path(pc.state_dir))
-    nv_devices, nv_applier = nvml_profile.host_nvidia(root.root, audit, pc.apply.retries, pc.apply.backoff_seconds)
+    audit = AuditLog.in_state_dir(pc.state_dir)
+    nv_devices, nv_applier = nvml_profile.host_nvidia(root.root, audit.profile_record, pc.apply.retries, pc.apply.backoff_seconds)
     ident = identify([*devices, *nv_devices], config.gpus)
     names = {d.bdf: ident.name(d.bdf) for d in [*devices, *nv_devices]}
     by_key = {**{b: b for b in names}, **{n: b for b, n in names.items()}}
     who = f"cli:{os.environ.get('SUDO_USER') or os.environ.get('USER') or os.getuid()}"
-    applier = Applier(root, audit=audit, retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
+    applier = Applier(root, audit=audit.profile_record, retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
     if nv_applier is not None:  # NVIDIA cards through NVML, same table
         applier = nvml_profile.VendorApplier(applier, nv_applier, nv_devices)
 
     def recorded_first(gpu: str, what: str, why: str) -> bool:
         """No audit record, no write: the record of the change goes first."""
-        from gpuguard.sinks.audit import AuditUnavailable
-
         if args.dry_run:
             return True
         try:
-            audit.before(gpu, what, who, why)
+            audit.profile_started(gpu, what, who, why)
         except AuditUnavailable as e:
             print(f"gpuguard apply: {gpu}: refused, nothing written: {e} (free space or fix state_dir)", file=sys.stderr)
             return False

@@ -22,7 +22,6 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
-from gpuguard.profiles.audit import Audit
 from gpuguard.profiles.plan import (
     CAP_FILE,
     LEVEL_FILE,
@@ -129,7 +128,7 @@ class Applier:
     def __init__(
         self,
         root: SysfsRoot,
-        audit: Audit | None = None,
+        audit: Callable[[dict], None] | None = None,
         kernel_reason: Callable[[str, Any], str | None] | None = None,
         retries: int = 3,
         backoff: float = 0.5,

@@ -26,7 +26,6 @@ from typing import Any, Awaitable, Callable
 from gpuguard.hw.device_calls import DeviceCalls
 from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.profiles.apply import Applier, CardResult, CardTarget, result_event
-from gpuguard.profiles.audit import AuditLog, audit_path
 from gpuguard.profiles.drift import drift
 from gpuguard.profiles.effective import effective_findings
 from gpuguard.profiles.kernel_reason import KmsgReasons
@@ -35,7 +34,7 @@ from gpuguard.profiles.safemode import SafeModeGuard
 from gpuguard.profiles.schema import Profile, ProfilesConfig
 from gpuguard.profiles.wait import wait_for_gpus
 from gpuguard.policy.conditions import Conditions
-from gpuguard.sinks.audit import AuditUnavailable
+from gpuguard.state.audit import AuditLog, AuditUnavailable
 from gpuguard.state.events import Event
 from gpuguard.state.gpus import GpuStates
 from gpuguard.state.hub import Hub
@@ -47,14 +46,15 @@ VIEW = "profiles"
 class ProfileRuntime:
     def __init__(self, cfg: ProfilesConfig, gpus: GpuStates, hub: Hub, root: SysfsRoot,
                  discover: Callable[[], Awaitable[Any]] | None = None, applier: Applier | None = None,
-                 guard: SafeModeGuard | None = None, nvml: Any = None) -> None:
+                 guard: SafeModeGuard | None = None, nvml: Any = None,
+                 audit: AuditLog | None = None) -> None:
         self.cfg = cfg
         self.gpus = gpus
         self.hub = hub
         self.root = root
         self.discover = discover
         self.ledger = ProfileLedger()
-        self.audit = AuditLog(audit_path(cfg.state_dir))
+        self.audit = audit or AuditLog.in_state_dir(cfg.state_dir)
         self._stop = threading.Event()  # ends retry backoff sleeps in apply threads at SIGTERM
         a = cfg.apply
         self.applier = applier or self._applier(root, gpus, nvml)
@@ -73,13 +73,13 @@ class ProfileRuntime:
         """amdgpu through sysfs; with an NVML source (`nvml`: hw/nvml.NvmlSource) NVIDIA
         cards through NVML — the same gate (`may_write`), retries, audit and CardResult."""
         a = self.cfg.apply
-        amd = Applier(root, audit=self.audit, kernel_reason=KmsgReasons(root), retries=a.retries,
+        amd = Applier(root, audit=self.audit.profile_record, kernel_reason=KmsgReasons(root), retries=a.retries,
                       backoff=a.backoff_seconds, sleep=self._sleep, may_write=self._may_write)
         if nvml is None:
             return amd
         from gpuguard.hw.nvml_profile import NvmlApplier, VendorApplier
 
-        nv = NvmlApplier(nvml.nvml, audit=self.audit, retries=a.retries, backoff=a.backoff_seconds,
+        nv = NvmlApplier(nvml.nvml, audit=self.audit.profile_record, retries=a.retries, backoff=a.backoff_seconds,
                          sleep=self._sleep, is_lost=lambda bdf: not self._may_write(bdf))
         return VendorApplier(amd, nv, discover=nvml.discover)
 
@@ -177,7 +177,7 @@ class ProfileRuntime:
                 return None
             generation = s.generation
             try:  # no audit record, no write
-                await asyncio.get_running_loop().run_in_executor(None, self.audit.before, s.name, s.profile, who, why)
+                await asyncio.get_running_loop().run_in_executor(None, self.audit.profile_started, s.name, s.profile, who, why)
             except AuditUnavailable as e:
                 log.error("profile %s not applied to %s: %s", s.profile, s.name, e)
                 self._publish(Event("audit_unavailable", "alert", "profiles",

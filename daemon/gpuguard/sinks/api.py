@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuguard import __version__
 from gpuguard.sinks.actions import ActionRefused, Actions
-from gpuguard.sinks.audit import AuditLog, AuditUnavailable, jsonable
+from gpuguard.state.audit import AuditLog, AuditUnavailable, jsonable
 from gpuguard.sinks.auth import AccessPolicy, Caller, TokenStore, bearer_token
 from gpuguard.sinks.confirm import ConfirmWindows
 from gpuguard.sinks.metrics import CONTENT_TYPE, MetricsSink

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gpuguard.sinks.audit import AuditLog
+from gpuguard.state.audit import AuditLog
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
 

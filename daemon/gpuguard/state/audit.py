@@ -5,6 +5,12 @@ the evidence, the result and the time (DESIGN.md safety rules).
 Append-only: the file is opened with O_APPEND and each record is one `write()` of one
 line, so concurrent writers never interleave and nothing is ever rewritten. Each record
 is fsynced: the evidence must survive the hard reboot that may follow (INCIDENTS §2).
+
+Written by whatever acts — the engine watchdog's kills, profile applies, the control API —
+so it sits with the daemon's state, below all of them. The profile applier speaks in flat
+records (`{"action": "write", "who", "why", "gpu", "bdf", "file", "value", ...}`):
+`profile_record` files them as `profile_<action>` with the rest as evidence, and
+`profile_records` reads them back flat (tests, `gpuguard apply`).
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ from typing import Any, Iterator
 log = logging.getLogger("gpuguard.audit")
 
 AUDIT_FILE = "audit.jsonl"
+# the fields of a flat profile record that are the audit record's own; the rest is evidence
+_PROFILE_TOP = ("action", "who", "why", "gpu", "result")
 
 
 class AuditUnavailable(Exception):
@@ -98,6 +106,23 @@ class AuditLog:
             self.health.succeeded()
         return rec
 
+    def profile_record(self, record: dict[str, Any]) -> None:
+        """One flat record of the profile applier (the `audit` callable it is given)."""
+        self.record(
+            f"profile_{record.get('action', '?')}",
+            str(record.get("who", "?")),
+            str(record.get("why", "")),
+            target=record.get("gpu"),
+            evidence={k: v for k, v in record.items() if k not in _PROFILE_TOP},
+            result=str(record.get("result", "ok")),
+        )
+
+    def profile_started(self, gpu: str, profile: str, who: str, why: str) -> None:
+        """The record written before a card is touched; raises AuditUnavailable when it
+        cannot be written, and then nothing is applied."""
+        self.record("profile_apply", who, why, target=gpu, evidence={"profile": profile}, result="started",
+                    required=True)
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Read the records back (tests, `gpuguard audit`-style tools)."""
         try:
@@ -107,3 +132,17 @@ class AuditLog:
                         yield json.loads(line)
         except FileNotFoundError:
             return
+
+
+def profile_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The profile records of the audit log at `path`, flat again (other actions skipped)."""
+    return [
+        {
+            **(rec.get("evidence") or {}),
+            "action": rec["what"][len("profile_"):],
+            "who": rec["who"], "why": rec["why"], "gpu": rec.get("target"),
+            "result": rec.get("result"), "time": rec.get("unix_time"),
+        }
+        for rec in AuditLog(path)
+        if str(rec.get("what", "")).startswith("profile_")
+    ]
