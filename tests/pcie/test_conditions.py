@@ -7,7 +7,7 @@ import asyncio
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sources import AmdgpuSource
 from gpuguard.hw.sysfs import SysfsRoot
-from gpuguard.policy.conditions import Conditions
+from gpuguard.state.conditions import Conditions
 from gpuguard.policy.doctor import diagnose, link_findings
 from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller

@@ -6,7 +6,7 @@ ledger and debounce the profile lifecycle uses, poll by poll, with the lifecycle
 debounce (raise after 2 polls, clear after 1)."""
 from __future__ import annotations
 
-from gpuguard.policy.conditions import Conditions
+from gpuguard.state.conditions import Conditions
 from gpuguard.profiles.apply import CardResult
 from gpuguard.profiles.effective import effective_findings
 from gpuguard.profiles.ledger import ProfileLedger

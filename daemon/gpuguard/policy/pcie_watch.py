@@ -1,6 +1,6 @@
 """PCIe watch: re-walks every GPU's PCIe path on its own slower interval (the walk reads
 config space and a few dozen attributes per hop), keeps the latest report on the hub for
-/metrics and the API, and turns doctor findings into conditions (gpuguard.policy.conditions):
+/metrics and the API, and turns doctor findings into conditions (gpuguard.state.conditions):
 a finding keyed by check + place raises once when it starts and once when it clears, so a
 link that trained at Gen2 (INCIDENTS §4) alerts once, not at every load cycle. A link seen
 slow while its GPU worked is remembered (`seen_under_load`) until it is seen at full speed:
@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Mapping
 from gpuguard.hw.pcie import PcieReport, walk
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sysfs import SysfsRoot
-from gpuguard.policy.conditions import Conditions
+from gpuguard.state.conditions import Conditions
 from gpuguard.policy.doctor import Finding, diagnose, events
 from gpuguard.policy.link_history import LinkHistory, boot_time
 from gpuguard.state.hub import Hub

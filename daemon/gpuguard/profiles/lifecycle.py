@@ -33,7 +33,7 @@ from gpuguard.profiles.ledger import ProfileLedger
 from gpuguard.profiles.safemode import SafeModeGuard
 from gpuguard.profiles.schema import Profile, ProfilesConfig
 from gpuguard.profiles.wait import wait_for_gpus
-from gpuguard.policy.conditions import Conditions
+from gpuguard.state.conditions import Conditions
 from gpuguard.state.audit import AuditLog, AuditUnavailable
 from gpuguard.state.events import Event
 from gpuguard.state.gpus import GpuStates

@@ -2,7 +2,9 @@
 never its changing text) raises one event when it starts, none while it holds, and one
 `<kind>_cleared` event when it ends — each with a debounce, so a reading that flickers
 (load swinging between idle and busy, a value on a threshold) does not re-fire it
-(five alerts in 2.5 minutes for one unchanged hop)."""
+(five alerts in 2.5 minutes for one unchanged hop). Part of the event stream's state:
+held by the PCIe findings (policy) and the profile runtime's clock check (a source)
+alike, so it sits below both."""
 from __future__ import annotations
 
 import time
