@@ -8,7 +8,7 @@ import asyncio
 
 from gpuguard.cli.apply import render
 from gpuguard.hw.nvml import NvmlSource
-from gpuguard.hw.nvml_profile import NvmlApplier, apply_all
+from gpuguard.profiles.nvidia import NvmlApplier, apply_all
 from gpuguard.profiles.apply import result_event
 from gpuguard.profiles.schema import Bounds, Profile
 
@@ -139,7 +139,7 @@ def test_dry_run_plans_without_writing():
 
 
 def test_mixed_host_routes_nvidia_cards_through_nvml_and_the_rest_to_amdgpu():
-    from gpuguard.hw.nvml_profile import VendorApplier, host_nvidia
+    from gpuguard.profiles.nvidia import VendorApplier, host_nvidia
     from gpuguard.profiles.apply import CardResult, CardTarget
 
     class Amd:  # stands for the amdgpu Applier: records which cards reached it

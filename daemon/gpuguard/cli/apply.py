@@ -79,17 +79,17 @@ def cmd_apply(args: argparse.Namespace) -> int:
         return 2
     root = SysfsRoot(args.sysfs_root or config.sysfs_root)
     devices = amdgpu.discover(root)
-    from gpuguard.hw import nvml_profile
+    from gpuguard.profiles import nvidia
 
     audit = AuditLog.in_state_dir(pc.state_dir)
-    nv_devices, nv_applier = nvml_profile.host_nvidia(root.root, audit.profile_record, pc.apply.retries, pc.apply.backoff_seconds)
+    nv_devices, nv_applier = nvidia.host_nvidia(root.root, audit.profile_record, pc.apply.retries, pc.apply.backoff_seconds)
     ident = identify([*devices, *nv_devices], config.gpus)
     names = {d.bdf: ident.name(d.bdf) for d in [*devices, *nv_devices]}
     by_key = {**{b: b for b in names}, **{n: b for b, n in names.items()}}
     who = f"cli:{os.environ.get('SUDO_USER') or os.environ.get('USER') or os.getuid()}"
     applier = Applier(root, audit=audit.profile_record, retries=pc.apply.retries, backoff=pc.apply.backoff_seconds)
     if nv_applier is not None:  # NVIDIA cards through NVML, same table
-        applier = nvml_profile.VendorApplier(applier, nv_applier, nv_devices)
+        applier = nvidia.VendorApplier(applier, nv_applier, nv_devices)
 
     def recorded_first(gpu: str, what: str, why: str) -> bool:
         """No audit record, no write: the record of the change goes first."""

@@ -52,7 +52,7 @@ class ProfileActions:
         return r.to_dict()
 
     async def snapshot_state(self, gpu: str) -> dict[str, Any]:
-        from gpuguard.hw.nvml_profile import NvmlRevertUnsupported
+        from gpuguard.profiles.nvidia import NvmlRevertUnsupported
 
         target = self._target(gpu)
         try:

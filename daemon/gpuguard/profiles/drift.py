@@ -24,7 +24,7 @@ HOLDING = frozenset({"sw_power_cap", "hw_slowdown", "hw_thermal", "sw_thermal", 
 
 
 def nvidia_drift(snap: GpuSnapshot, expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]] | None:
-    """The same for a card applied through NVML (hw/nvml_profile.NvmlPlan.expected): the
+    """The same for a card applied through NVML (profiles/nvidia.NvmlPlan.expected): the
     enforced power limit, and the graphics/memory clock against the locked range. A GPU
     reset puts the default limit back and drops the locks, silently, as on amdgpu."""
     if not snap.up:

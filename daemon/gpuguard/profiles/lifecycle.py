@@ -77,7 +77,7 @@ class ProfileRuntime:
                       backoff=a.backoff_seconds, sleep=self._sleep, may_write=self._may_write)
         if nvml is None:
             return amd
-        from gpuguard.hw.nvml_profile import NvmlApplier, VendorApplier
+        from gpuguard.profiles.nvidia import NvmlApplier, VendorApplier
 
         nv = NvmlApplier(nvml.nvml, audit=self.audit.profile_record, retries=a.retries, backoff=a.backoff_seconds,
                          sleep=self._sleep, is_lost=lambda bdf: not self._may_write(bdf))

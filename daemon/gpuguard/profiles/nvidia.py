@@ -34,6 +34,7 @@ from gpuguard.hw.nvml import normalise_bus_id
 from gpuguard.hw.nvml_health import decode_reasons
 from gpuguard.profiles.apply import CardResult
 from gpuguard.profiles.schema import Profile
+from gpuguard.profiles.wait import wait_for_gpus
 
 log = logging.getLogger("gpuguard.profiles.nvidia")
 
@@ -325,8 +326,6 @@ async def apply_all(applier: NvmlApplier, discover: Callable[[], Iterable[Any]],
     """Wait until `wanted` NVIDIA GPUs are present (INCIDENTS §2: the boot service ran
     before the second card existed), then apply each assigned card, one at a time, in
     PCI order. A card that refuses does not stop the others."""
-    from gpuguard.profiles.wait import wait_for_gpus
-
     loop = asyncio.get_running_loop()
     devices: list[Any] = []
 
