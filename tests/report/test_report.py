@@ -215,7 +215,7 @@ def test_total_power_sums_each_poll_when_every_gpu_is_read_at_its_own_instant():
     """In the daemon each GPU's row carries the time of its own read (a few ms apart within
     a poll): the host total must still be one sum per poll, not one GPU at a time."""
     from gpuguard.report.figure import total_power
-    from gpuguard.sinks.history import Window
+    from gpuguard.report.history import Window
 
     def gpu(offset: float, power: float, lost_after: int | None = None) -> dict:
         t = [1000 + i * 0.5 + offset for i in range(20)]

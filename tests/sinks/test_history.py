@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from gpuguard.sim.replay import incident_1
 from gpuguard.sinks.api import build_app
-from gpuguard.sinks.history import FlightLog
+from gpuguard.report.history import FlightLog
 from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.sinks.page import BucketCache, bucketed, mount_page
 from gpuguard.sinks.recorder import FlightRecorder

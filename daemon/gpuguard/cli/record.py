@@ -55,7 +55,7 @@ def _fmt(v, scale: float = 1.0, digits: int = 0) -> str:
 
 def cmd_record(args: argparse.Namespace) -> int:
     from gpuguard.config import ConfigError
-    from gpuguard.sinks.history import GPU_SERIES, FlightLog, HistoryError, parse_time
+    from gpuguard.report.history import GPU_SERIES, FlightLog, HistoryError, parse_time
 
     try:
         start = parse_time(args.since)

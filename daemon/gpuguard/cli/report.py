@@ -91,7 +91,7 @@ def cmd_incident(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from gpuguard.config import ConfigError
     from gpuguard.report.make import make_report, pick_focus
-    from gpuguard.sinks.history import FlightLog, HistoryError, parse_duration, parse_time
+    from gpuguard.report.history import FlightLog, HistoryError, parse_duration, parse_time
 
     if args.incident is not None:
         return cmd_incident(args)

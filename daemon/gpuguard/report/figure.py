@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from gpuguard.sinks.history import Window
+from gpuguard.report.history import Window
 
 # Okabe–Ito: tells series apart for colour-blind readers too.
 PALETTE = ("#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9", "#f0e442", "#000000")

@@ -11,7 +11,7 @@ from typing import Any
 from gpuguard import __version__
 from gpuguard.report.figure import SEVERITY_COLOUR, Figure
 from gpuguard.report.svg import render_svg
-from gpuguard.sinks.history import Window
+from gpuguard.report.history import Window
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:1rem auto;max-width:1000px;color:#222;padding:0 .5rem}

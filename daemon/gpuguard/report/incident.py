@@ -23,7 +23,7 @@ from gpuguard.report.figure import PALETTE, Figure, Panel, Series, _range, build
 from gpuguard.report.html import CSS, _clock, _rel
 from gpuguard.report.png import render_png
 from gpuguard.report.svg import render_svg
-from gpuguard.sinks.history import ENGINE_SERIES, GPU_SERIES, Window
+from gpuguard.report.history import ENGINE_SERIES, GPU_SERIES, Window
 
 REQUIRED = ("decision.json", "processes.json")
 MAX_STACK_CHARS = 20000  # one py-spy dump shown in the page; the file keeps all of it

@@ -9,7 +9,7 @@ from typing import Any
 from gpuguard.report.figure import Figure, build_figure
 from gpuguard.report.html import headline, render_html
 from gpuguard.report.png import render_png
-from gpuguard.sinks.history import FlightLog, HistoryError, Window
+from gpuguard.report.history import FlightLog, HistoryError, Window
 
 
 @dataclass(frozen=True)

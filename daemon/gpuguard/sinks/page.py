@@ -13,7 +13,7 @@ changes state, and nothing is ever done from a GET.
   GET /v1/history?since=T&until=T&points=N&gpu=NAME
       {"start", "end", "step", "gpus": {gpu: {"bdf", "t": [...], series: [...]}},
        "engines": {engine: {"t", "state", series...}}, "events": [event + "id"]}
-      series as in sinks/history.py; averaged into buckets of `step` seconds so that an
+      series as in report/history.py; averaged into buckets of `step` seconds so that an
       hour of 8 GPUs stays a small document (at most `points` per series, default 300).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, Response
 
 from gpuguard.sinks.api import read_access
-from gpuguard.sinks.history import ENGINE_SERIES, GPU_SERIES, FlightLog, HistoryError
+from gpuguard.report.history import ENGINE_SERIES, GPU_SERIES, FlightLog, HistoryError
 from gpuguard.sinks.recorder import FlightRecorder
 
 ASSETS = {"page.js": "text/javascript", "page.css": "text/css", "favicon.svg": "image/svg+xml"}

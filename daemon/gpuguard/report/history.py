@@ -4,6 +4,9 @@ Two doors to the same rows: the running daemon's recorder (its own connection, s
 queue behind writes and never see half a cycle) and a `flight.sqlite` file opened
 read-only — a copy taken from a host that tripped its PSU works the same on a laptop
 (INCIDENTS §2: the samples before the trip are what the owner needs to see).
+
+Only the file's shape ties it to the recorder (sinks/recorder.py writes the rows): reading
+and drawing a recording needs no sink, so the reader lives with the reports.
 """
 from __future__ import annotations
 
