@@ -69,7 +69,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpuguard-bench-") as d:
         path = os.path.join(d, "flight.sqlite")
         t = time.monotonic()
-        history(path, time.time() - 3600, 3600, gpus=GPUS)
+        history(path, time.time() - 3600, 3600, FlightRecorder, gpus=GPUS)
         print(f"recorder filled: {GPUS} GPUs x 1 h at 0.5 s in {time.monotonic() - t:.1f} s "
               f"({os.path.getsize(path) / 2**20:.1f} MiB)")
         recorder = FlightRecorder(path, keep_seconds=86400)

@@ -22,6 +22,7 @@ import pytest
 from gpuguard.report.figure import PALETTE
 from gpuguard.report.png import HEADER_H, decode_png
 from gpuguard.sim.replay import incident_1, incident_2
+from gpuguard.sinks.recorder import FlightRecorder
 
 pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
 
@@ -36,8 +37,8 @@ def gpuguard(*args: str, cwd=None) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def recorders(tmp_path_factory):
     d = tmp_path_factory.mktemp("host")
-    r1 = incident_1(str(d / "s1" / "flight.sqlite"), T0)
-    r2 = incident_2(str(d / "s2" / "flight.sqlite"), T0)
+    r1 = incident_1(str(d / "s1" / "flight.sqlite"), T0, FlightRecorder)
+    r2 = incident_2(str(d / "s2" / "flight.sqlite"), T0, FlightRecorder)
     # "on another machine": a copy of the file alone, in another folder
     other = tmp_path_factory.mktemp("laptop")
     shutil.copy(r1.path, other / "s1.sqlite")
@@ -204,8 +205,6 @@ def test_report_and_record_name_the_file_when_it_is_not_a_recorder(tmp_path, set
 
 
 def test_report_on_an_empty_recorder_says_so(tmp_path):
-    from gpuguard.sinks.recorder import FlightRecorder
-
     FlightRecorder(str(tmp_path / "f.sqlite")).close()
     res = gpuguard("report", "--db", str(tmp_path / "f.sqlite"), "-o", str(tmp_path / "r.html"))
     assert res.returncode == 1 and "empty" in res.stderr

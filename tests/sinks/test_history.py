@@ -54,7 +54,7 @@ def test_cached_buckets_equal_a_fresh_computation_as_rows_arrive(tmp_path):
 
 
 def test_history_endpoint_serves_the_recorder_and_says_when_there_is_none(tmp_path):
-    r = incident_1(str(tmp_path / "f.sqlite"), time.time() - 400)
+    r = incident_1(str(tmp_path / "f.sqlite"), time.time() - 400, FlightRecorder)
     rec = FlightRecorder(r.path)
     hub = Hub()
     app = build_app(hub, MetricsSink(hub))

@@ -3,22 +3,38 @@ hosts of INCIDENTS §1 and §2, through the recorder's own code (FlightRecorder.
 GPU snapshots, engine snapshots and events), with kernel lines classified by the real
 rules. Test equipment for `gpuguard report` and the page, and a history for benchmarks.
 
-Each replay returns the moment the report should be about (`Replay.focus`) and the
-recorder path; times are wall-clock seconds starting at `t0`.
+The caller hands in the recorder to write through (`open_recorder`, in practice
+sinks/recorder.FlightRecorder): the equipment describes what happened and never imports
+the sink that keeps it. Each replay returns the moment the report should be about
+(`Replay.focus`) and the recorder path; times are wall-clock seconds starting at `t0`.
 """
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from gpuguard.engines.snapshot import EngineSnapshot
 from gpuguard.kernel.rules import Rules
-from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.state.events import Event
 from gpuguard.state.hub import HostSnapshot
 from gpuguard.state.snapshot import GpuSnapshot
 
 STEP = 0.5  # the demo's poll interval
+
+
+class Recorder(Protocol):
+    """What a replay writes through (sinks/recorder.FlightRecorder's own methods)."""
+
+    def record(self, snap: HostSnapshot | None = None, events: Iterable[Event] = (),
+               engines: Mapping[str, Any] | None = None) -> Future: ...
+    def sample_rows(self, snap: HostSnapshot) -> list[tuple]: ...
+    def event_rows(self, events: Iterable[Event]) -> list[tuple]: ...
+    def close(self) -> None: ...
+
+
+OpenRecorder = Callable[..., Recorder]  # (path, keep_seconds=...) -> a recorder on that file
 
 
 @dataclass(frozen=True)
@@ -60,12 +76,12 @@ def _kernel_event(rules: Rules, text: str, t: float, names: dict[str, str]) -> E
                  bdf=m.bdf, time=t, fields={"rule": m.rule, "condition": m.condition})
 
 
-def incident_1(path: str, t0: float) -> Replay:
+def incident_1(path: str, t0: float, open_recorder: OpenRecorder) -> Replay:
     """§1: two 7900 XTX behind a switch, SGLang TP=2. 120 s of steady decoding at
     ~272 W, then a request hangs (tokens stop, power stays up, CPU pinned), the watchdog
     alerts after 10 s, and 60 s into the stall the kernel logs sq_intr, `device lost from
     bus` and eight `GPU Recovery Failed: -19`; both cards stop answering."""
-    rec = FlightRecorder(path, keep_seconds=10 * 86400)
+    rec = open_recorder(path, keep_seconds=10 * 86400)
     rules = Rules.load()
     cards = (("xtx-0", "0000:aa:00.0", 272.0, 56.0, 799.0), ("xtx-1", "0000:b0:00.0", 271.0, 54.0, 642.0))
     names = {bdf: name for name, bdf, *_ in cards}
@@ -110,11 +126,11 @@ def incident_1(path: str, t0: float) -> Replay:
     return Replay(path, t0 + lost_at, "device_lost", tuple(n for n, *_ in cards))
 
 
-def incident_2(path: str, t0: float) -> Replay:
+def incident_2(path: str, t0: float, open_recorder: OpenRecorder) -> Replay:
     """§2: two R9700 at a 280 W cap on one 1300 W PSU. r9700-a decodes alone for 60 s
     (fine), then r9700-b ramps up too; 47 s later the recording stops — a hard power-off
     with no kernel line at all (PSU protection). The report is about the last sample."""
-    rec = FlightRecorder(path, keep_seconds=10 * 86400)
+    rec = open_recorder(path, keep_seconds=10 * 86400)
     cards = (("r9700-a", "0000:05:00.0"), ("r9700-b", "0000:08:00.0"))
     both_at, trip_at = 60.0, 107.0
     futures = []
@@ -144,13 +160,15 @@ def incident_2(path: str, t0: float) -> Replay:
     return Replay(path, last, None, tuple(n for n, _ in cards))
 
 
-def history(path: str, t0: float, seconds: float, gpus: int = 8, step: float = STEP, events_every: float = 60.0) -> Replay:
+def history(path: str, t0: float, seconds: float, open_recorder: OpenRecorder, gpus: int = 8, step: float = STEP,
+            events_every: float = 60.0) -> Replay:
     """A long, unremarkable history (bench/: page load with 8 GPUs and an hour behind).
     Rows are made by the recorder's own row functions and written in large transactions
     (one fsync per poll, as the daemon does, would take minutes for an hour)."""
     import sqlite3
 
-    FlightRecorder(path).close()  # the schema
+    rec = open_recorder(path)
+    rec.close()  # the schema
     names = [f"gpu{i}" for i in range(gpus)]
     samples: list[tuple] = []
     events: list[Event] = []
@@ -164,7 +182,7 @@ def history(path: str, t0: float, seconds: float, gpus: int = 8, step: float = S
                  junction=75 + 10 * math.sin(t / 90 + i), mem=70.0, sclk=2.5e9, mclk=1.258e9, fan=1500.0,
                  busy=0.5 + 0.5 * math.sin(t / 60 + i), vram=20 * 2**30)
             for i, name in enumerate(names))
-        samples += FlightRecorder.sample_rows(HostSnapshot(now, snaps))
+        samples += rec.sample_rows(HostSnapshot(now, snaps))
         if events_every and n % max(1, int(events_every / step)) == 0:
             events.append(Event(kind="note", severity="warning" if n % 7 else "alert", source="bench",
                                 message=f"tick {n}", gpu=names[n % gpus], time=now))
@@ -172,5 +190,5 @@ def history(path: str, t0: float, seconds: float, gpus: int = 8, step: float = S
         n += 1
     with sqlite3.connect(path) as db:
         db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", samples)
-        db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?,?,?)", FlightRecorder.event_rows(events))
+        db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?,?,?)", rec.event_rows(events))
     return Replay(path, t0 + seconds, None, tuple(names))
