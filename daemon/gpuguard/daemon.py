@@ -21,7 +21,9 @@ import uvicorn
 
 from gpuguard.config import Config, ConfigError, load_config
 from gpuguard.config.reload import LIVE_SECTIONS, ReloadPlan, plan_reload
-from gpuguard.engines.api import EngineActions
+from gpuguard.control.actions import Actions
+from gpuguard.control.auth import AccessPolicy, TokenFileError, TokenStore, exposure_warnings
+from gpuguard.control.engine_actions import EngineActions
 from gpuguard.engines.metrics import engine_metrics
 from gpuguard.engines.watchdog import EngineWatchdog
 from gpuguard.hw.pcie import PcieCollector
@@ -32,23 +34,20 @@ from gpuguard.kernel.kmsg import KmsgError, KmsgReader
 from gpuguard.kernel.router import KernelEventRouter
 from gpuguard.kernel.rules import Rules, RulesError
 from gpuguard.kernel.udev import UdevError, UdevMonitor
-from gpuguard.policy.gpu_lifecycle import GpuLifecycle
 from gpuguard.policy.gpu_conditions import GpuConditions
+from gpuguard.policy.gpu_lifecycle import GpuLifecycle
 from gpuguard.policy.kernel_actions import KernelActions
 from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
 from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
 from gpuguard.sinks.metrics import MetricsSink
+from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.page import mount_page
 from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.sinks.reload_marker import ReloadMarker
-# -- service layer: auth, audit, webhooks, sd_notify --
-from gpuguard.sinks.actions import Actions
-from gpuguard.state.audit import AuditLog
-from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore, exposure_warnings
-from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.systemd import SystemdNotify
+from gpuguard.state.audit import AuditLog
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
 from gpuguard.state.state_dir import StateDir, StateDirLocked, report_to
@@ -107,13 +106,13 @@ class Daemon:
         )
         self.kernel_router: KernelEventRouter | None = None
         self.kmsg_reader: KmsgReader | None = None
-        # -- service layer. Tokens are loaded in run(): a bad token file must end
-        # the start with a one-line error, not a traceback from the constructor.
+        # -- control: tokens are loaded in run(): a bad token file must end the start
+        # with a one-line error, not a traceback from the constructor.
         self.audit = AuditLog.in_state_dir(config.state_dir)
         # one daemon per state folder; an unusable one refuses applies, never crashes
         self.state_dir = StateDir(config.state_dir)
         self.audit.health = self.state_dir
-        self.actions = Actions()  # other parts register providers here (sinks/actions.py)
+        self.actions = Actions()  # other parts register providers here (control/actions.py)
         self.actions.provide(pcie=self.pcie_document)
         self.webhooks = WebhookNotifier(self.hub, config.webhooks)
         self.metrics.add("webhooks", self.webhooks.collect)
@@ -180,7 +179,7 @@ class Daemon:
             self.poller.on_cycle.insert(0, lambda snap: self._engine_notes())
         # Profiles: applied and verified before READY, re-applied on drift and late cards.
         # Each component gets the narrow things it uses (DESIGN.md "One owner"), not the daemon.
-        from gpuguard.profiles.api import ProfileActions
+        from gpuguard.control.profile_actions import ProfileActions
         from gpuguard.profiles.lifecycle import ProfileRuntime
         from gpuguard.profiles.schema import ProfilesConfig
 

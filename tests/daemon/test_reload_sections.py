@@ -19,7 +19,7 @@ import pytest
 from gpuguard.config import load_config
 from gpuguard.daemon import Daemon
 from gpuguard.sim.host import SimHost
-from gpuguard.sinks.auth import TokenStore
+from gpuguard.control.auth import TokenStore
 from gpuguard.sim.tree import write_tree
 
 R9700_A = "0000:05:00.0"

@@ -16,7 +16,7 @@ import pytest
 from deploy_harness import REPO
 from gpuguard.config import load_config
 from gpuguard.install.service import MARK
-from gpuguard.sinks.auth import TokenStore
+from gpuguard.control.auth import TokenStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]  # registered in pyproject.toml
 

@@ -46,7 +46,7 @@ def test_bystander_in_the_engines_session_survives_the_kill():
                          process={"cmdline": rf"gpuguard\.sim\.engines --kind vllm --port {port}( |$)"})
         audit: list = []
         wd = EngineWatchdog([cfg], audit.append, lambda e: None)
-        from gpuguard.engines.api import EngineActions
+        from gpuguard.control.engine_actions import EngineActions
 
         res = asyncio.run(EngineActions(wd).kill_engine("v", "test"))
         assert res["gone"] and set(res["pids"]) == set(tree), res
@@ -92,7 +92,7 @@ def test_engine_in_a_transient_scope_is_killed_through_its_cgroup(scope):
         cfg = engine_cfg("v", "vllm", f"http://127.0.0.1:{port}", grace=0.5, process={"cgroup": str(scope)})
         audit: list = []
         wd = EngineWatchdog([cfg], audit.append, lambda e: None)
-        from gpuguard.engines.api import EngineActions
+        from gpuguard.control.engine_actions import EngineActions
 
         res = asyncio.run(EngineActions(wd).kill_engine("v", "test"))
         assert res["gone"] and res["cgroup"] == str(scope), res
@@ -151,7 +151,7 @@ def test_restart_command_that_fails_is_restart_failed(sims):
                      action="restart", restart_command=["false"])
     events: list = []
     wd = EngineWatchdog([cfg], lambda r: None, events.append)
-    from gpuguard.engines.api import EngineActions
+    from gpuguard.control.engine_actions import EngineActions
 
     out = asyncio.run(EngineActions(wd).restart_engine("e", "test"))
     assert out["command"]["returncode"] == 1

@@ -9,7 +9,7 @@ import asyncio
 
 from gpuguard.config import load_config
 from gpuguard.daemon import Daemon
-from gpuguard.profiles.api import ProfileActions
+from gpuguard.control.profile_actions import ProfileActions
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse]  # registered in pyproject.toml

@@ -15,10 +15,10 @@ import pytest
 import uvicorn
 
 from gpuguard.config import Config
-from gpuguard.sinks.actions import ActionRefused, Actions, UnknownTarget
+from gpuguard.control.actions import ActionRefused, Actions, UnknownTarget
 from gpuguard.sinks.api import build_app
 from gpuguard.state.audit import AuditLog
-from gpuguard.sinks.auth import AccessPolicy, TokenStore
+from gpuguard.control.auth import AccessPolicy, TokenStore
 from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.state.hub import HostSnapshot, Hub
 from gpuguard.state.snapshot import GpuSnapshot
@@ -39,7 +39,7 @@ def write_token_file(path: Path, tokens: dict[str, str] = TOKENS, mode: int = 0o
 
 
 class StandInHost:
-    """Providers with the contract of sinks/actions.py; they record every call so tests
+    """Providers with the contract of control/actions.py; they record every call so tests
     can prove a refused request never reached them."""
 
     def __init__(self) -> None:

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute
 
-from gpuguard.sinks.actions import Actions
+from gpuguard.control.actions import Actions
 from gpuguard.sinks.api import build_app
-from gpuguard.sinks.auth import AccessPolicy, TokenStore
+from gpuguard.control.auth import AccessPolicy, TokenStore
 from gpuguard.sinks.metrics import MetricsSink
 
 pytestmark = [pytest.mark.network]  # registered in pyproject.toml

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from gpuguard.sinks.auth import AccessPolicy, TokenFileError, TokenStore, bearer_token, is_loopback
+from gpuguard.control.auth import AccessPolicy, TokenFileError, TokenStore, bearer_token, is_loopback
 
 pytestmark = [pytest.mark.root]  # registered in pyproject.toml
 

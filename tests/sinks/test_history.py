@@ -91,7 +91,7 @@ def test_history_endpoint_serves_the_recorder_and_says_when_there_is_none(tmp_pa
 def test_page_history_and_reports_follow_the_read_api_rules(tmp_path):
     """Listening beyond loopback without api.open_reads: the page, its assets, history and
     reports need the token like every other read."""
-    from gpuguard.sinks.auth import AccessPolicy, TokenStore
+    from gpuguard.control.auth import AccessPolicy, TokenStore
 
     rec = FlightRecorder(str(tmp_path / "f.sqlite"))
     hub = Hub()

@@ -209,10 +209,10 @@ def test_the_api_refuses_a_card_that_is_lost_or_not_identified(tmp_path):
     import pytest
 
     from gpuguard.hw.sysfs import SysfsRoot
-    from gpuguard.profiles.api import ProfileActions
+    from gpuguard.control.profile_actions import ProfileActions
     from gpuguard.profiles.lifecycle import ProfileRuntime
     from gpuguard.profiles.schema import ProfilesConfig, Profile
-    from gpuguard.sinks.actions import ActionRefused, UnknownTarget
+    from gpuguard.control.actions import ActionRefused, UnknownTarget
 
     class Writer:
         calls: list = []

@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from gpuguard.config import ConfigError, load_config
-    from gpuguard.sinks.auth import TokenFileError, TokenStore, exposure_warnings
+    from gpuguard.control.auth import TokenFileError, TokenStore, exposure_warnings
 
     try:
         config = load_config(args.file)

@@ -16,7 +16,7 @@ from gpuguard.policy.link_history import FILE as HISTORY_FILE, boot_time, load a
 
 def exposure_findings(cfg) -> list[Finding]:
     """WARN for what the config leaves reachable from the network without a token."""
-    from gpuguard.sinks.auth import exposure_warnings
+    from gpuguard.control.auth import exposure_warnings
 
     where = f"{cfg.listen.address}:{cfg.listen.port}"
     return [Finding("WARN", "api", w, where, "set api.token_file and api.open_reads: false, or listen on 127.0.0.1")

@@ -197,6 +197,48 @@ class EngineWatchdog:
         name = self.attribution.name if self.attribution else (lambda b: b)
         return [(g, name(g.bdf), owner.get(g.pid, "")) for g in self._gpu_procs]
 
+    # -- asked for by name (the control API: control/engine_actions.py) -----------------
+    def engine_names(self) -> list[str]:
+        return sorted(self._engines)
+
+    def engine_config(self, name: str) -> EngineConfig | None:
+        e = self._engines.get(name)
+        return e.cfg if e is not None else None
+
+    def cache_owners(self) -> dict[str, tuple[EngineConfig, Any]]:
+        """Cache name -> (its engine's config, the cache's config)."""
+        return {c.name: (e.cfg, c) for e in self._engines.values() for c in e.cfg.caches}
+
+    async def kill_asked(self, name: str, who: str) -> KillResult | None:
+        """The same SIGTERM → grace → SIGKILL → verify-gone as a policy kill, audited with
+        `who`; None when the engine has no process to kill."""
+        e = self._engines[name]
+        async with e.lock:
+            procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
+            if procs is None:
+                return None
+            evidence = dict(e.snapshot.evidence) if e.snapshot else {}
+            return await self._kill(e, procs, "api", evidence, self._clock(), who=who)
+
+    async def restart_asked(self, name: str, who: str) -> dict:
+        e = self._engines[name]
+        async with e.lock:
+            procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
+            return await self._restart(e, procs, "api", {}, self._clock(), who=who)
+
+    async def quarantine_asked(self, cache_name: str, who: str) -> dict[str, Any]:
+        """Rename the cache aside (never delete: INCIDENTS §7), counted and audited; raises
+        CacheError when it cannot be moved."""
+        cfg, cache = self.cache_owners()[cache_name]
+        e = self._engines[cfg.name]
+        scan = await asyncio.to_thread(scan_zero_byte, cache.path)
+        target = await asyncio.to_thread(quarantine, cache.path, "api")
+        self._actions[(cfg.name, "quarantine", "api")] += 1
+        self._audit(e, "quarantine", "api", who,
+                    {"cache": cache_name, "zero_byte_files": scan.zero_byte_files, "files": scan.files},
+                    {"from": str(cache.path), "to": str(target)}, self._clock())
+        return {"from": str(cache.path), "to": str(target), "zero_byte_files": scan.zero_byte_files}
+
     # -- GPU attribution -----------------------------------------------------------------
     async def attribute_once(self) -> list[GpuProcess]:
         """Scan which processes hold which GPU; give each engine its holds; alert when an

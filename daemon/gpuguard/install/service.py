@@ -8,7 +8,7 @@ Install writes:
   /etc/gpuguard/                        0755
   /etc/gpuguard/gpuguard.yaml           0600  the annotated example, api.token_file set
                                               (0600: webhook URLs carry secrets)
-  /etc/gpuguard/api-tokens              0600  `admin: <64 hex>` (sinks/auth.py refuses a
+  /etc/gpuguard/api-tokens              0600  `admin: <64 hex>` (control/auth.py refuses a
                                               token file others can read)
   /usr/local/bin/gpuguard               link  to the venv's script, when nothing is there
 then `systemctl daemon-reload` and `systemctl enable [--now] gpuguard.service`

@@ -2,7 +2,7 @@
 `/metrics`, `/healthz` and the JSON control API under `/v1/`. Read endpoints serve the
 hub's latest state (or a provider's in-memory view) and never touch hardware.
 
-Access (sinks/auth.py): every POST needs `Authorization: Bearer <token>` (401 otherwise);
+Access (control/auth.py): every POST needs `Authorization: Bearer <token>` (401 otherwise);
 GETs need one too when the daemon listens beyond loopback without `api.open_reads`;
 `/healthz` is always open. Every authenticated POST lands in the audit log with the
 token's name, whatever its outcome. Order of checks on a POST: 413 (body too large,
@@ -50,10 +50,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuguard import __version__
-from gpuguard.sinks.actions import ActionRefused, Actions
+from gpuguard.control.actions import ActionRefused, Actions
 from gpuguard.state.audit import AuditLog, AuditUnavailable, jsonable
-from gpuguard.sinks.auth import AccessPolicy, Caller, TokenStore, bearer_token
-from gpuguard.sinks.confirm import ConfirmWindows
+from gpuguard.control.auth import AccessPolicy, Caller, TokenStore, bearer_token
+from gpuguard.control.confirm import ConfirmWindows
 from gpuguard.sinks.metrics import CONTENT_TYPE, MetricsSink
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub

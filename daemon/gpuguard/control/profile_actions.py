@@ -1,4 +1,4 @@
-"""Profiles behind the control API (gpuguard.sinks.actions.ProfileProvider): apply a named
+"""Profiles behind the control API (gpuguard.control.actions.ProfileProvider): apply a named
 profile to one GPU, reset it to stock, and the snapshot/restore pair the API's
 `confirm_within` window uses to revert a profile a remote user did not confirm (a user who
 loses the host keeps it). Every call goes through the same Applier as the daemon's own
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuguard.profiles.apply import CardResult, CardTarget, result_event
+from gpuguard.control.actions import ActionRefused, UnknownTarget
+from gpuguard.profiles.apply import CardResult, CardTarget
 from gpuguard.profiles.schema import SETTINGS, Profile
-from gpuguard.sinks.actions import ActionRefused, UnknownTarget
 
 
 class ProfileActions:
