@@ -8,6 +8,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 
+def api_routes(app) -> list:
+    """Every path operation of a FastAPI app, whatever routers it was put together from:
+    FastAPI 0.137.2 and later keep an included router as one node of `app.routes`
+    (`iter_route_contexts` flattens them), older ones copy its routes in. Each item has
+    `.path`, `.methods` and `.path_regex`."""
+    from fastapi.routing import APIRoute
+
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:
+        return [r for r in app.routes if isinstance(r, APIRoute)]
+    return [c for c in iter_route_contexts(app.routes) if isinstance(c.original_route, APIRoute)]
+
+
 def poll_until(cond: Callable[[], object], timeout: float = 10.0, what: str = "condition", interval: float = 0.02):
     """Poll `cond` until it returns something truthy (returned) or the deadline passes.
     Synchronisation by condition, never by a fixed sleep."""

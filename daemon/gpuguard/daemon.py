@@ -40,12 +40,13 @@ from gpuguard.policy.kernel_actions import KernelActions
 from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
 from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
-from gpuguard.sinks.api import build_app, summary_line
+from gpuguard.sinks.api import build_app
 from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.page import mount_page
 from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.sinks.reload_marker import ReloadMarker
+from gpuguard.sinks.status import summary_line
 from gpuguard.sinks.systemd import SystemdNotify
 from gpuguard.state.audit import AuditLog
 from gpuguard.state.events import Event

@@ -16,10 +16,10 @@ import uvicorn
 
 from gpuguard.config import Config
 from gpuguard.control.actions import ActionRefused, Actions, UnknownTarget
-from gpuguard.sinks.api import build_app
-from gpuguard.state.audit import AuditLog
 from gpuguard.control.auth import AccessPolicy, TokenStore
+from gpuguard.sinks.api import build_app
 from gpuguard.sinks.metrics import MetricsSink
+from gpuguard.state.audit import AuditLog
 from gpuguard.state.hub import HostSnapshot, Hub
 from gpuguard.state.snapshot import GpuSnapshot
 from support import poll_until

@@ -10,11 +10,11 @@ import time
 
 import httpx
 import pytest
-from fastapi.routing import APIRoute
+from support import api_routes
 
 from gpuguard.control.actions import Actions
-from gpuguard.sinks.api import build_app
 from gpuguard.control.auth import AccessPolicy, TokenStore
+from gpuguard.sinks.api import build_app
 from gpuguard.sinks.metrics import MetricsSink
 
 pytestmark = [pytest.mark.network]  # registered in pyproject.toml
@@ -29,9 +29,7 @@ HTTP = httpx.Client(timeout=10)
 
 def routes(app, mutating: bool) -> list[tuple[str, str]]:
     out = []
-    for r in app.routes:
-        if not isinstance(r, APIRoute):
-            continue
+    for r in api_routes(app):
         for m in sorted(r.methods):
             if (m not in ("GET", "HEAD")) == mutating:
                 out.append((m, r.path))

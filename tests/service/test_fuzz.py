@@ -7,7 +7,7 @@ import json
 from urllib.parse import quote, unquote
 
 import httpx
-from fastapi.routing import APIRoute
+from support import api_routes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import pytest
@@ -47,12 +47,12 @@ queries = st.dictionaries(st.sampled_from(["since", "limit", "x"]),
 
 
 def _routes(app):
-    return [(m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in sorted(r.methods)]
+    return [(m, r.path) for r in api_routes(app) for m in sorted(r.methods)]
 
 
 def test_no_request_gets_a_500(api, tokens):
     all_routes = _routes(api.app)
-    regex = {(m, r.path): r.path_regex for r in api.app.routes if isinstance(r, APIRoute) for m in r.methods}
+    regex = {(m, r.path): r.path_regex for r in api_routes(api.app) for m in r.methods}
     auths = st.sampled_from([None, f"Bearer {tokens['alice']}", "Bearer nope-nope-nope-nope", "Basic x", "Bearer"])
 
     valid = {"gpu": "gpu0", "engine": "vllm-a", "cache": "vllm-compile"}

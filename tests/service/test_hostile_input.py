@@ -9,7 +9,7 @@ import json
 import signal
 
 import httpx
-from fastapi.routing import APIRoute
+from support import api_routes
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from service.failsafe_harness import GuardProcess, config_text, sim_root
@@ -24,8 +24,8 @@ VALID = {"gpu": "gpu0", "engine": "vllm-a", "cache": "vllm-compile"}
 
 def _action_routes(app) -> list[str]:
     out = []
-    for r in app.routes:
-        if isinstance(r, APIRoute) and "POST" in r.methods:
+    for r in api_routes(app):
+        if "POST" in r.methods:
             out.append(r.path.format(**{k: VALID[k] for k in VALID if "{" + k + "}" in r.path}))
     return out
 

@@ -6,7 +6,7 @@ incident reports rendered on demand (`GET /report?event=ID|at=T`, the same repor
 (`GET /incident?name=NAME`, the report of `gpuguard report --incident NAME`; NAME as
 `GET /v1/incidents` lists it, never a path).
 
-Same access rules as the read API (sinks/api.py `read_access`); the page's actions go
+Same access rules as the read API (control/access.py `read_access`); the page's actions go
 through the existing POST endpoints with the bearer token the user types in — nothing here
 changes state, and nothing is ever done from a GET.
 
@@ -30,7 +30,7 @@ from urllib.parse import quote
 from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, Response
 
-from gpuguard.sinks.api import read_access
+from gpuguard.control.access import read_access
 from gpuguard.report.history import ENGINE_SERIES, GPU_SERIES, FlightLog, HistoryError
 from gpuguard.sinks.recorder import FlightRecorder
 
