@@ -34,11 +34,12 @@ from gpuguard.kernel.kmsg import KmsgError, KmsgReader
 from gpuguard.kernel.router import KernelEventRouter
 from gpuguard.kernel.rules import Rules, RulesError
 from gpuguard.kernel.udev import UdevError, UdevMonitor
+from gpuguard.pcie_walker import PcieWalker
 from gpuguard.policy.gpu_conditions import GpuConditions
 from gpuguard.policy.gpu_lifecycle import GpuLifecycle
 from gpuguard.policy.kernel_actions import KernelActions
 from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
-from gpuguard.policy.pcie_watch import PcieWatch
+from gpuguard.policy.pcie_findings import PcieFindings
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app
 from gpuguard.sinks.metrics import MetricsSink
@@ -93,9 +94,12 @@ class Daemon:
             timeout=config.poll.timeout_seconds,
             discover_every=config.poll.discover_seconds,
         )
-        self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds,
-                              history_path=os.path.join(config.state_dir, PCIE_HISTORY_FILE),
-                              gpu_names=self.gpus.names)
+        # the walk is a source; what it finds is policy's, handed in (policy/pcie_findings.py)
+        self.pcie_findings = PcieFindings(self.hub, self.root, self.expected_links,
+                                          history_path=os.path.join(config.state_dir, PCIE_HISTORY_FILE),
+                                          gpu_names=self.gpus.names)
+        self.pcie = PcieWalker(self.hub, self.root, interval=config.poll.pcie_interval_seconds,
+                               assess=self.pcie_findings.assess, publish=self.pcie_findings.publish)
         self.metrics.add("pcie", PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect)
         self.kernel_actions = KernelActions(self.gpus, self.poller.request_discovery)
         # a GPU lost by any route kills its engines; back, they are restarted (policy/gpu_lifecycle.py)

@@ -7,13 +7,14 @@ import asyncio
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sources import AmdgpuSource
 from gpuguard.hw.sysfs import SysfsRoot
-from gpuguard.state.conditions import Conditions
+from gpuguard.pcie_walker import PcieWalker
 from gpuguard.policy.doctor import diagnose, link_findings
-from gpuguard.policy.pcie_watch import PcieWatch
+from gpuguard.policy.pcie_findings import PcieFindings
 from gpuguard.poller import GpuPoller
 from gpuguard.sim.host import SimHost
 from gpuguard.sim.topology import incident_spec
 from gpuguard.sim.tree import write_tree
+from gpuguard.state.conditions import Conditions
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
 import pytest
@@ -22,6 +23,12 @@ pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
 
 
 XTX = ("0000:aa:00.0", "0000:b0:00.0")
+
+
+def pcie_watch(hub: Hub, root: SysfsRoot, expected=dict, interval: float = 60.0, **findings) -> PcieWalker:
+    """The daemon's wiring: the walker (a source) with the findings (policy) handed in."""
+    f = PcieFindings(hub, root, expected, **findings)
+    return PcieWalker(hub, root, interval=interval, assess=f.assess, publish=f.publish)
 
 
 def ev(msg: str) -> Event:
@@ -51,7 +58,7 @@ def test_ten_minutes_of_idle_busy_cycles_on_the_demo_raise_the_downgrade_alert_o
     poller = GpuPoller(hub, [AmdgpuSource(root)], interval=10, timeout=30)
     # The demo config expects xtx-0's slot at Gen4 x16 (INCIDENTS §4: it trained at Gen2).
     expected = {XTX[0]: ExpectedLink(gen=4, width=16)}
-    watch = PcieWatch(hub, root, lambda: expected, interval=10, clock=lambda: clock[0])
+    watch = pcie_watch(hub, root, lambda: expected, interval=10, clock=lambda: clock[0])
 
     async def ten_minutes():
         busy_seen = idle_seen = 0
@@ -114,7 +121,7 @@ def test_the_load_history_survives_a_restart_and_reaches_doctor(tmp_path):
     hub = Hub()
     poller = GpuPoller(hub, [AmdgpuSource(root)], interval=10, timeout=30)
 
-    async def one_check(load: float, watch: PcieWatch):
+    async def one_check(load: float, watch: PcieWalker):
         for b in XTX:
             host.set_load(b, load)
         host.step(10.0)
@@ -122,11 +129,11 @@ def test_the_load_history_survives_a_restart_and_reaches_doctor(tmp_path):
         await poller.poll_once()
         return await watch.check_once()
 
-    busy_watch = PcieWatch(hub, root, clock=lambda: 5000.0, history_path=history)
+    busy_watch = pcie_watch(hub, root, clock=lambda: 5000.0, history_path=history)
     asyncio.run(one_check(1.0, busy_watch))
     saved = json.loads(Path(history).read_text())
     assert {(e["gpu"], e["gts"]) for e in saved["links"]} == {(XTX[0], 5.0), (XTX[1], 5.0)}
-    restarted = PcieWatch(Hub(), root, clock=lambda: 6000.0, history_path=history)
+    restarted = PcieFindings(Hub(), root, clock=lambda: 6000.0, history_path=history)
     assert set(k[0] for k in restarted.seen_under_load) == set(XTX)
     poller.close()
 
@@ -159,7 +166,7 @@ def test_a_link_event_at_a_switch_port_carries_the_name_of_the_gpus_behind_it(tm
     root = SysfsRoot(str(tmp_path / "sim"))
     report = walk(root)
     names = {XTX[0]: "xtx-0", XTX[1]: "xtx-1"}
-    watch = PcieWatch(Hub(), root, gpu_names=lambda: names)
+    watch = PcieFindings(Hub(), root, gpu_names=lambda: names)
     path0 = [h.bdf for h in report.gpu(XTX[0]).hops if h.bdf != XTX[0]]
     path1 = {h.bdf for h in report.gpu(XTX[1]).hops}
     own = next(b for b in reversed(path0) if b not in path1)  # xtx-0's slot port on the switch

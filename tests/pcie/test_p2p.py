@@ -150,13 +150,13 @@ def test_demo_xtx_pair_says_no_citing_the_256_mib_bar(tmp_path):
 def test_the_daemon_feeds_kernel_refusals_seen_by_the_kmsg_reader_into_the_verdict(make_tree):
     import asyncio
 
-    from gpuguard.policy.pcie_watch import PcieWatch
+    from gpuguard.pcie_walker import PcieWalker
     from gpuguard.state.events import Event
     from gpuguard.state.hub import Hub
 
     tree = switch_host(make_tree(), True, True)
     hub = Hub()
-    watch = PcieWatch(hub, SysfsRoot(str(tree.base)))
+    watch = PcieWalker(hub, SysfsRoot(str(tree.base)))
     assert asyncio.run(watch.check_once()).pairs[0].p2p == "yes"
     line = f"amdgpu {A}: amdgpu: PCIe P2P access from peer device {B} is not supported by the chipset"
     hub.publish(Event("p2p_unsupported", "warning", "kernel", line, bdf=A))

@@ -12,7 +12,8 @@ from support import WebhookReceiver
 from gpuguard.config.service import WebhookConfig
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sysfs import SysfsRoot
-from gpuguard.policy.pcie_watch import PcieWatch
+from gpuguard.pcie_walker import PcieWalker
+from gpuguard.policy.pcie_findings import PcieFindings
 from gpuguard.sinks.alert_gate import AlertGate, AlertQueue
 from gpuguard.sinks.notifier import WebhookNotifier
 from gpuguard.state.events import Event
@@ -47,7 +48,8 @@ def test_link_downgrade_alert_once_per_window_across_load_cycles(tmp_path):
         await n.start()
         published = []
         hub.on_event(lambda e: published.append(e) if e.kind == "pcie_expect_link" else None)
-        watch = PcieWatch(hub, root, lambda: {XTX: ExpectedLink(gen=4, width=16)})
+        findings = PcieFindings(hub, root, lambda: {XTX: ExpectedLink(gen=4, width=16)})
+        watch = PcieWalker(hub, root, assess=findings.assess, publish=findings.publish)
         try:
             t0 = time.monotonic()
             for cycle in range(4):  # load, idle, load, idle, ...
