@@ -23,11 +23,13 @@ layer may import. A failure names the importing module, the line and the importe
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-DAEMON = Path(__file__).resolve().parents[1] / "daemon"
+REPO = Path(__file__).resolve().parents[1]
+DAEMON = REPO / "daemon"
 
 # module (or package) -> layer; the longest matching prefix wins ("gpuguard" itself only
 # names the package's __init__: a new top-level module needs its own entry)
@@ -201,3 +203,19 @@ def test_edges_with_the_flow_pass(module, source):
 def test_a_module_without_a_layer_is_named():
     found = violations("gpuguard.newthing", "", "gpuguard/newthing.py")
     assert found == ["gpuguard/newthing.py: gpuguard.newthing has no layer: add it to LAYERS in tests/test_layers.py"]
+
+
+def test_the_readme_drawing_names_folders_and_modules_that_exist():
+    """README "How it is built": every `folder/` and `folder/module` the drawing names is in
+    daemon/gpuguard, and so are the loops it names (poller, pcie_walker)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## How it is built"):]
+    drawing = section[section.index("```") + 3:]
+    drawing = drawing[:drawing.index("```")]
+    pkg = DAEMON / "gpuguard"
+    names = re.findall(r"(?<![/\w.])([a-z_]+)/([a-z_]*)", drawing)
+    assert len(names) > 10, names
+    missing = [f"{d}/{m}" for d, m in names
+               if not (pkg / d).is_dir() or (m and not ((pkg / d / f"{m}.py").is_file() or (pkg / d / m).is_dir()))]
+    missing += [m for m in ("poller", "pcie_walker") if m not in drawing or not (pkg / f"{m}.py").is_file()]
+    assert not missing, f"the README drawing names what is not in daemon/gpuguard: {missing}"
