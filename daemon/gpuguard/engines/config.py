@@ -111,7 +111,7 @@ class EngineConfig(_Strict):
     unhealthy_after: float = Field(30.0, gt=0)
     ready_timeout: float = Field(900.0, gt=0)
 
-    # Issue 22, graded response: alert at stall_after (the stall is declared, evidence
+    # The graded response: alert at stall_after (the stall is declared, evidence
     # collection starts), take the incident bundle at dump_after, act at kill_after (all
     # seconds without progress; unset = at stall_after, today's behaviour). A freeze that
     # clears before kill_after is recorded as a pause, not killed.

@@ -391,7 +391,7 @@ class EngineWatchdog:
             await self._scan_caches(e, now)
 
     def _remember(self, e: _Engine, v: Verdict, probe: ProbeResult, now: float) -> None:
-        """Issue 22: the readings an incident bundle carries, and pause bookkeeping: a
+        """The readings an incident bundle carries, and pause bookkeeping: a
         no-progress period that ends with progress (not a kill, not a restart) is a pause."""
         e.samples.append({"t": now, "state": v.state, "health": probe.health, "health_detail": probe.health_detail,
                           "metrics_error": probe.metrics_error,
@@ -520,8 +520,9 @@ class EngineWatchdog:
         self._event(e, kind, "alert", msg, reason=v.reason, evidence=evidence)
 
     async def _graded(self, e: _Engine, v: Verdict, procs: EngineProcesses | None, now: float) -> None:
-        """Issue 22: bundle at dump_after, act at kill_after (offsets from the declaration,
-        which came at stall_after, or later where a prompt batch stretched the bound)."""
+        """The graded response: bundle at dump_after, act at kill_after (offsets from the
+        declaration, which came at stall_after, or later where a prompt batch stretched
+        the bound)."""
         cfg = e.cfg
         since = now - (e.episode_at or now)
         jitter = 0.1 * cfg.poll_interval

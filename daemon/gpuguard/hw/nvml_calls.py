@@ -8,7 +8,7 @@ Constants are NVML's numeric values (nvml.h), written out because pynvml may be 
 from __future__ import annotations
 
 # nvmlDeviceGetFieldValues ids (nvml.h NVML_FI_DEV_*), read in ONE call per poll: one
-# driver round trip instead of one per value (the poll-cost figure of issue 18).
+# driver round trip instead of one per value (a poll costs one call per card).
 FIELDS: dict[str, int] = {
     "ecc_current": 1,
     "ecc_sbe_volatile": 3,

@@ -7,7 +7,7 @@ fsynced at every commit: what was recorded is on disk). Writes run on a single
 background thread so a slow disk never delays the poller. Old rows are pruned to
 `keep_seconds`.
 
-Issue 12: events wait in memory (`add_event`) and go in the next cycle's transaction
+Events wait in memory (`add_event`) and go in the next cycle's transaction
 with the samples — a kernel flood of one transaction per event queued ahead of the
 samples and a SIGKILL lost seconds of them. The database is bounded by size too
 (`max_bytes`, pages in use): past it the oldest rows are pruned. Losses are counted and
