@@ -39,7 +39,7 @@ from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
 from gpuguard.policy.pcie_watch import PcieWatch
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
-from gpuguard.sinks.metrics import MetricsSink
+from gpuguard.sinks.metrics import MetricsSink, same_objects
 from gpuguard.sinks.page import mount_page
 from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.sinks.reload_marker import ReloadMarker
@@ -96,7 +96,8 @@ class Daemon:
         self.pcie = PcieWatch(self.hub, self.root, self.expected_links, interval=config.poll.pcie_interval_seconds,
                               history_path=os.path.join(config.state_dir, PCIE_HISTORY_FILE),
                               gpu_names=self.gpus.names)
-        self.metrics.add("pcie", PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect)
+        self.metrics.add("pcie", PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect,
+                         inputs=lambda: same_objects(self.hub.view("pcie")) + tuple(sorted(self.gpus.names().items())))
         self.kernel_actions = KernelActions(self.gpus, self.poller.request_discovery)
         # a GPU lost by any route kills its engines; back, they are restarted (policy/gpu_lifecycle.py)
         self.lifecycle = GpuLifecycle(
