@@ -15,10 +15,9 @@ import asyncio
 import collections
 import logging
 import socket
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 from urllib.parse import urlsplit
 
-import httpx
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from gpuguard.sinks.alert_gate import AlertGate, AlertQueue
@@ -27,6 +26,9 @@ from gpuguard import __version__
 from gpuguard.config.service import WebhookConfig
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("gpuguard.webhook")
 
@@ -82,7 +84,6 @@ class WebhookNotifier:
     # -- lifecycle (inside the running loop) -------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._client = httpx.AsyncClient(follow_redirects=False)
         self.configure(self._configs)
 
     def configure(self, webhooks: Iterable[WebhookConfig]) -> None:
@@ -153,7 +154,11 @@ class WebhookNotifier:
             await self._deliver(t, event)
 
     async def _deliver(self, t: _Target, event: Event) -> bool:
-        assert self._client is not None
+        # made at the first delivery: a host without webhooks never imports httpx (~7 MiB)
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(follow_redirects=False)
         body = payload(event)
         delay = BACKOFF_FIRST
         for attempt in range(t.cfg.retries + 1):
