@@ -93,6 +93,12 @@ class WebhookNotifier:
         if self._loop is None:
             return
         wanted = {w.url: w for w in self._configs}
+        if wanted and self._client is None:
+            # made with the first URL, not at the first alert: importing httpx then took
+            # up to a second on a loaded host, late for an alert promised within one
+            import httpx
+
+            self._client = httpx.AsyncClient(follow_redirects=False)
         for url in list(self._targets):
             if url not in wanted or self._targets[url].cfg != wanted[url]:
                 t = self._targets.pop(url)
@@ -154,11 +160,9 @@ class WebhookNotifier:
             await self._deliver(t, event)
 
     async def _deliver(self, t: _Target, event: Event) -> bool:
-        # made at the first delivery: a host without webhooks never imports httpx (~7 MiB)
-        import httpx
+        import httpx  # imported by configure() with the first URL: a host without webhooks never pays it
 
-        if self._client is None:
-            self._client = httpx.AsyncClient(follow_redirects=False)
+        assert self._client is not None
         body = payload(event)
         delay = BACKOFF_FIRST
         for attempt in range(t.cfg.retries + 1):
