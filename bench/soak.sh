@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 RUNS="${1:-5}"
 LOG="${2:-bench/results/soak-$(date -u +%Y%m%dT%H%M%SZ).txt}"
 mkdir -p "$(dirname "$LOG")"
+# this checkout's code, whatever `pip install -e` pointed at last
+export PYTHONPATH="$PWD/daemon${PYTHONPATH:+:$PYTHONPATH}"
 python3 bench/neighbour.py --hogs "${SOAK_HOGS:-1}" >"$LOG.neighbour" 2>&1 &
 NEIGHBOUR=$!
 trap 'kill $NEIGHBOUR 2>/dev/null; wait $NEIGHBOUR 2>/dev/null' EXIT
