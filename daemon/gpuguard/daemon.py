@@ -42,7 +42,7 @@ from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
 from gpuguard.policy.pcie_findings import PcieFindings
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app
-from gpuguard.sinks.metrics import MetricsSink
+from gpuguard.sinks.metrics import MetricsSink, same_objects
 from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.page import mount_page
 from gpuguard.sinks.recorder import FlightRecorder
@@ -62,6 +62,23 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+    def stop(self) -> None:
+        self.should_exit = True
+        exit_now = getattr(self, "_exit_now", None)
+        if exit_now is not None:
+            exit_now.set()
+
+    async def main_loop(self) -> None:
+        # uvicorn's own loop wakes ten times a second to look at should_exit; two servers
+        # made that a fifth of an idle daemon's wakeups. Here: the Date header once a
+        # second (what on_tick does at every tenth tick), and stop() wakes it at once.
+        self._exit_now = asyncio.Event()
+        while not self.should_exit:
+            if await self.on_tick(0):
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._exit_now.wait(), 1.0)
 
 
 Notifier = SystemdNotify  # the older name of sinks/systemd.SystemdNotify, kept for callers
@@ -100,7 +117,8 @@ class Daemon:
                                           gpu_names=self.gpus.names)
         self.pcie = PcieWalker(self.hub, self.root, interval=config.poll.pcie_interval_seconds,
                                assess=self.pcie_findings.assess, publish=self.pcie_findings.publish)
-        self.metrics.add("pcie", PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect)
+        self.metrics.add("pcie", PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect,
+                         inputs=lambda: same_objects(self.hub.view("pcie")) + tuple(sorted(self.gpus.names().items())))
         self.kernel_actions = KernelActions(self.gpus, self.poller.request_discovery)
         # a GPU lost by any route kills its engines; back, they are restarted (policy/gpu_lifecycle.py)
         self.lifecycle = GpuLifecycle(
@@ -552,7 +570,7 @@ class Daemon:
         self.app.state.confirm.close()
         for srv in (self.server, self.unix_server):
             if srv is not None:
-                srv.should_exit = True
+                srv.stop()
         for t in self.tasks:
             if not t.get_name().startswith("http"):
                 t.cancel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
@@ -55,6 +56,57 @@ def _down(dev: GpuDevice, name: str, reason: str, key: str = "read", card: str |
         time=time.time(),
         errors={key: reason},
     )
+
+
+class _Batch:
+    """GPUs read in order on one thread. `give_up()` (the loop side, at the deadline) takes
+    the ones not started yet away from it and names the one it is stuck in."""
+
+    def __init__(self, bdfs: list[str], read: Callable[[str], GpuSnapshot]) -> None:
+        self.bdfs = bdfs
+        self.read = read
+        self.lock = threading.Lock()
+        self.results: dict[str, tuple[bool, Any]] = {}  # bdf -> (ok, snapshot or exception)
+        self.running: str | None = None
+        self.next = 0
+        self.closed = False
+
+    def run(self) -> None:
+        while True:
+            with self.lock:
+                if self.closed or self.next >= len(self.bdfs):
+                    self.running = None
+                    return
+                bdf = self.running = self.bdfs[self.next]
+                self.next += 1
+            try:
+                r: tuple[bool, Any] = (True, self.read(bdf))
+            except Exception as e:  # handed to the loop side, which names the GPU
+                r = (False, e)
+            with self.lock:
+                if not self.closed:
+                    self.results[bdf] = r
+                self.running = None
+
+    def give_up(self) -> tuple[str | None, list[str]]:
+        with self.lock:
+            self.closed = True
+            return self.running, self.bdfs[self.next:]
+
+    def done_flag(self, bdf: str) -> "_Returned":
+        return _Returned(self, bdf)
+
+
+class _Returned:
+    """`done()` once the batch's thread is out of `bdf`'s read (the poller does not send
+    a card another read while one is stuck in it)."""
+
+    def __init__(self, batch: _Batch, bdf: str) -> None:
+        self.batch, self.bdf = batch, bdf
+
+    def done(self) -> bool:
+        with self.batch.lock:
+            return self.batch.running != self.bdf
 
 
 class GpuPoller:
@@ -102,9 +154,22 @@ class GpuPoller:
     async def _run_blocking(self, fn, *args, timeout: float | None = None):
         return await self._pool.run(fn, *args, timeout=timeout or self.timeout)
 
-    async def discover(self) -> None:
+    async def _unchanged(self, source: GpuSource, unchanged: Callable[[], bool]) -> bool:
+        try:
+            return bool(await self._run_blocking(unchanged))
+        except Exception as e:  # noqa: BLE001 — then look the long way
+            log.warning("discovery source=%s: cannot tell whether its GPUs changed (%s: %s); walking the bus",
+                        source.name, type(e).__name__, e)
+            return False
+
+    async def discover(self, forced: bool = True) -> None:
         found: dict[str, tuple[GpuSource, GpuDevice]] = {}
         for source in self.sources:
+            unchanged = getattr(source, "unchanged", None)
+            if not forced and unchanged is not None and await self._unchanged(source, unchanged):
+                # the periodic look, and the source says nothing came or went: its GPUs stay
+                found.update({b: sd for b, sd in self.devices.items() if sd[0] is source and self.gpus.on_bus(b)})
+                continue
             try:
                 devs = await self._run_blocking(source.discover, timeout=max(self.timeout, 5.0))
             except asyncio.TimeoutError:
@@ -125,34 +190,76 @@ class GpuPoller:
         self._last_discover = self.clock()
         self._discover_requested.clear()
 
-    async def _read_one(self, bdf: str) -> GpuSnapshot:
+    def _read_blocking(self, bdf: str) -> GpuSnapshot:
         source, dev = self.devices[bdf]
-        name = self.gpus.name(bdf) or bdf
-        if not self.gpus.on_bus(bdf):
-            return _down(dev, name, "gone from the PCI bus", "device")
-        stuck = self._stuck.get(bdf)
-        if stuck is not None:
-            if not stuck.done():
-                return _down(dev, name, f"an earlier read is still stuck (> {self.timeout:g} s); device not answering")
-            del self._stuck[bdf]
-        loop = asyncio.get_running_loop()
         # hw/plausible.py: an implausible value from any source is unreadable, never exported
-        cf = self._pool.submit(lambda: plausible.screen(source.read(dev, name)))
+        return plausible.screen(source.read(dev, self.gpus.name(bdf) or bdf))
+
+    def _failed(self, bdf: str, e: BaseException) -> GpuSnapshot:
+        _, dev = self.devices[bdf]
+        name = self.gpus.name(bdf) or bdf
+        # the reader should not raise; if it does, name the GPU
+        log.error("read gpu=%s bdf=%s failed: %s: %s", name, bdf, type(e).__name__, e)
+        return _down(dev, name, f"{type(e).__name__}: {e}")
+
+    async def _read_all(self, bdfs: list[str]) -> list[GpuSnapshot]:
+        """Every GPU's read. Healthy cards are read one after another on ONE device thread:
+        a thread handoff costs more than a card's ~25 reads (each wakeup of a worker and of
+        the loop is ~100 µs on a small VM; one per GPU per second was most of an idle
+        daemon's CPU). A card that does not answer within `timeout` is left to its thread
+        (reported not answering); the cards not read yet go out one per thread, so a
+        second wedged card in the same cycle costs no more than the first."""
+        out: dict[str, GpuSnapshot] = {}
+        todo: list[str] = []
+        for bdf in bdfs:
+            _, dev = self.devices[bdf]
+            name = self.gpus.name(bdf) or bdf
+            if not self.gpus.on_bus(bdf):
+                out[bdf] = _down(dev, name, "gone from the PCI bus", "device")
+                continue
+            stuck = self._stuck.get(bdf)
+            if stuck is not None:
+                if not stuck.done():
+                    out[bdf] = _down(dev, name, f"an earlier read is still stuck (> {self.timeout:g} s); device not answering")
+                    continue
+                del self._stuck[bdf]
+            todo.append(bdf)
+        if todo:
+            batch = _Batch(todo, self._read_blocking)
+            cf = self._pool.submit(batch.run)
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(cf), self.timeout)
+            except asyncio.TimeoutError:
+                hung, rest = batch.give_up()
+                if hung is not None:
+                    self._stuck[hung] = batch.done_flag(hung)
+                    _, dev = self.devices[hung]
+                    out[hung] = _down(dev, self.gpus.name(hung) or hung,
+                                      f"read timed out after {self.timeout:g} s; device not answering")
+                out.update(zip(rest, await asyncio.gather(*(self._read_alone(b) for b in rest))))
+            for bdf, (ok, value) in batch.results.items():
+                out[bdf] = value if ok else self._failed(bdf, value)
+        return [out[b] for b in bdfs]
+
+    async def _read_alone(self, bdf: str) -> GpuSnapshot:
+        cf = self._pool.submit(self._read_blocking, bdf)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(cf, loop=loop), self.timeout)
+            return await asyncio.wait_for(asyncio.wrap_future(cf), self.timeout)
         except asyncio.TimeoutError:
             self._stuck[bdf] = cf
-            return _down(dev, name, f"read timed out after {self.timeout:g} s; device not answering")
-        except Exception as e:  # the reader should not raise; if it does, name the GPU
-            log.error("read gpu=%s bdf=%s failed: %s: %s", name, bdf, type(e).__name__, e)
-            return _down(dev, name, f"{type(e).__name__}: {e}")
+            _, dev = self.devices[bdf]
+            return _down(dev, self.gpus.name(bdf) or bdf, f"read timed out after {self.timeout:g} s; device not answering")
+        except Exception as e:
+            return self._failed(bdf, e)
 
     async def poll_once(self) -> HostSnapshot:
         t0 = time.perf_counter()
-        if self._discover_requested.is_set() or self.clock() - self._last_discover >= self.discover_every:
+        if self._discover_requested.is_set():
             await self.discover()
+        elif self.clock() - self._last_discover >= self.discover_every:
+            await self.discover(forced=False)
         bdfs = sorted(self.devices)
-        snaps = await asyncio.gather(*(self._read_one(b) for b in bdfs))
+        snaps = await self._read_all(bdfs)
         for s in snaps:
             for _key in s.errors:
                 self.hub.counters.poll_errors[(s.name, self.devices[s.bdf][0].name)] += 1

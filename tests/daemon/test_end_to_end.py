@@ -199,8 +199,14 @@ def test_kernel_line_becomes_an_event_of_its_gpu_and_a_metric(sim, start_daemon,
     assert (event["gpu"], event["bdf"], event["source"]) == ("xtx-0", "0000:aa:00.0", "kernel")
     # counted under its GPU: as many as the daemon reported for xtx-0 (only this line, unless
     # another writer on the host sent a hang line for the same card meanwhile)
-    all_xtx0 = [e for e in httpx.get(f"{d.base}/v1/events").json() if e["kind"] == "gpu_hang" and e["gpu"] == "xtx-0"]
-    assert d.value("gpuguard_kernel_events_total", gpu="xtx-0", kind="gpu_hang") == len(all_xtx0) >= 1
+    # another writer's line may land between the two reads: read both until they agree
+
+    def counted_as_reported() -> bool:
+        n = d.value("gpuguard_kernel_events_total", gpu="xtx-0", kind="gpu_hang")
+        all_xtx0 = [e for e in httpx.get(f"{d.base}/v1/events").json() if e["kind"] == "gpu_hang" and e["gpu"] == "xtx-0"]
+        return n == len(all_xtx0) >= 1
+
+    wait_for(counted_as_reported, what="gpuguard_kernel_events_total of xtx-0 equal to its gpu_hang events")
     # a restarted daemon (same state dir) does not report the old line again
     d.stop()
     d2 = start_daemon(sim.mount, NAMES + "kernel: {allow_userspace: true, udev: false}\n")

@@ -181,3 +181,31 @@ def test_a_link_event_at_a_switch_port_carries_the_name_of_the_gpus_behind_it(tm
     assert named("0000:ee:00.0") is None
     # an event already naming its GPU keeps it
     assert watch._named(Event("pcie_link", "alert", "pcie", "x", bdf=own, gpu="other"), report).gpu == "other"
+
+
+def test_a_walk_that_finds_what_the_last_one_did_keeps_its_report_object(tmp_path):
+    """/metrics serves the PCIe block as rendered while the report is the same object; an
+    unchanged walk must not look like a new report (at 32 GPUs its re-render was the p99)."""
+    host = SimHost(incident_spec())
+    writer = write_tree(host, str(tmp_path / "sim"))
+    root = SysfsRoot(str(tmp_path / "sim"))
+    hub = Hub()
+    watch = pcie_watch(hub, root, lambda: {}, interval=10)
+
+    async def walks():
+        first = await watch.check_once()
+        second = await watch.check_once()
+        assert hub.view("pcie") is first
+        for b in XTX:  # the load changes what the walk sees (busy, and the slot hop's speed)
+            host.set_load(b, 1.0)
+        host.step(10.0)
+        writer.refresh()
+        poller = GpuPoller(hub, [AmdgpuSource(root)], interval=10, timeout=30)
+        await poller.poll_once()
+        poller.close()
+        third = await watch.check_once()
+        return first, second, third
+
+    first, second, third = asyncio.run(walks())
+    assert second is first
+    assert hub.view("pcie") is third and third is not first and third != first and third.gpu(XTX[0]).busy

@@ -114,24 +114,42 @@ def test_vanished_hwmon_file_is_enoent_then_a_new_channel_reads_again(two):
     assert s.take_windows()["a"].samples >= 1
 
 
-def test_a_wedged_read_blocks_only_its_own_gpu(two):
+def test_a_wedged_read_blocks_only_its_own_gpu(two, caplog):
+    """One thread reads both cards; A's read never returns. The next interval (the poll
+    cycle takes windows every second) moves B to a new thread, and B samples on while A
+    stays absent — never a zero."""
     s = two.sampler
     two.host.block(A, "power1_average")
     s.sync(two.channels)
-    samples(s, "b", 20)
-    assert s.samplers["a"].samples_total == 0
-    w = s.take_windows()
-    assert w["a"].samples == 0 and w["a"].peak_w is None
-    assert w["b"].samples >= 20
+    poll_until(lambda: s.samplers["a"].driver.reading is s.samplers["a"], timeout=30, what="A's read to hang")
+    stuck_thread = s.samplers["a"].thread
+    got = {"a": 0, "b": 0}
+
+    def interval() -> bool:
+        for gpu, w in s.take_windows().items():
+            got[gpu] += w.samples
+            if gpu == "a":
+                assert w.peak_w is None and w.mean_w is None
+        return got["b"] >= 20
+
+    poll_until(interval, timeout=30, interval=0.2, what="20 samples of b in its windows")
+    assert got["a"] == 0 and s.samplers["a"].samples_total == 0
+    assert s.samplers["b"].thread is not stuck_thread and s.samplers["a"].thread is stuck_thread
+    assert any("gpu=a" in r.getMessage() and "has not returned" in r.getMessage() for r in caplog.records)
 
 
-def test_sync_stops_the_thread_of_a_gpu_that_is_gone(two):
+def test_sync_stops_sampling_a_gpu_that_is_gone_and_the_thread_ends_with_the_last(two):
     s = two.sampler
     s.sync(two.channels)
     samples(s, "b")
-    thread = s.samplers["b"].thread
+    gone = s.samplers["b"]
+    thread = gone.thread
     s.sync(two.channels[:1])
     assert "b" not in s.samplers
+    frozen = gone.samples_total + 1  # a read in flight at the sync may still land
+    samples(s, "a", s.samplers["a"].samples_total + 5)
+    assert gone.samples_total <= frozen
+    s.sync([])
     thread.join(5)
     assert not thread.is_alive()
 

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -16,7 +17,7 @@ from gpuguard.daemon import Daemon
 from gpuguard.sim.host import SimHost
 from gpuguard.sim.tree import write_tree
 from gpuguard.sinks.api import build_app
-from gpuguard.sinks.metrics import CollectorError, MetricsSink
+from gpuguard.sinks.metrics import DURATION, SUCCESS, CollectorError, MetricsSink, same_objects
 from gpuguard.state.hub import Hub
 
 DAEMON_COLLECTORS = {"build", "gpu", "nvml", "poller", "kernel", "pcie", "webhooks", "gpu_conditions", "recorder", "engines",
@@ -144,3 +145,91 @@ def test_add_producer_still_registers_under_a_derived_name():
     v = sink.registry.get_sample_value
     assert v("gpuguard_test_watch") == 3.0
     assert v("gpuguard_collector_success", {"collector": "power_watch"}) == 1.0
+
+
+def _without_durations(text: str) -> list[str]:
+    # the one line that differs between two renders of the same state
+    return [line for line in text.splitlines() if not line.startswith(f"{DURATION}{{")]
+
+
+def test_a_block_whose_inputs_did_not_change_is_served_as_rendered_and_redone_when_they_do():
+    sink = MetricsSink(Hub())
+    calls = []
+    state = {"report": object(), "value": 1.0}
+
+    def collect():
+        calls.append(state["value"])
+        yield _gauge("gpuguard_test_cached", state["value"])
+
+    sink.add("cached", collect, inputs=lambda: same_objects(state["report"]))
+    registered = len(calls)  # add() runs collect once to learn the families
+    first = sink.render().decode()
+    state["value"] = 2.0  # changed behind the key's back: the key decides, and it did not change
+    second = sink.render().decode()
+    assert len(calls) == registered + 1
+    assert "gpuguard_test_cached 1.0" in first and "gpuguard_test_cached 1.0" in second
+    state["report"] = object()  # a new report object: rendered anew
+    third = sink.render().decode()
+    assert len(calls) == registered + 2 and "gpuguard_test_cached 2.0" in third
+    # the cached path is still timed and scored per collector
+    assert f'{SUCCESS}{{collector="cached"}} 1.0' in third and f'{DURATION}{{collector="cached"}}' in third
+
+
+def test_a_collector_that_raises_is_never_served_from_the_cache(caplog):
+    sink = MetricsSink(Hub())
+    state = {"fail": False}
+
+    def collect():
+        if state["fail"]:
+            raise RuntimeError("source broke")
+        yield _gauge("gpuguard_test_flaky", 3.0)
+
+    sink.add("flaky", collect, inputs=lambda: ("same key",))
+    assert "gpuguard_test_flaky 3.0" in sink.render().decode()
+    state["fail"] = True
+    text = sink.render().decode()
+    # same key, so the cached (good) block is served; the failure shows once the key moves
+    assert "gpuguard_test_flaky 3.0" in text
+    sink._sources["flaky"].inputs = lambda: ("another key",)
+    with caplog.at_level(logging.ERROR, logger="gpuguard.metrics"):
+        text = sink.render().decode()
+    assert "gpuguard_test_flaky" not in text.replace("# HELP gpuguard_test_flaky", "")
+    assert f'{SUCCESS}{{collector="flaky"}} 0.0' in text
+    text = sink.render().decode()  # a failed render is not cached: it is tried again
+    assert f'{SUCCESS}{{collector="flaky"}} 0.0' in text and "source broke" in caplog.text
+
+
+def test_render_serves_the_same_text_as_client_python_over_every_family(tmp_path, monkeypatch):
+    """The cached, per-collector render of a whole daemon equals generate_latest over the
+    registry (which collects every family afresh), line for line but the durations."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    write_tree(SimHost.incident(seed=0), str(tmp_path / "root"))
+    (tmp_path / "kmsg").write_text("")
+    cfg = parse_config(f"""
+sysfs_root: {tmp_path / 'root'}
+state_dir: {tmp_path / 'state'}
+listen: {{address: 127.0.0.1, port: 0}}
+kernel: {{kmsg_path: {tmp_path / 'kmsg'}, udev: false}}
+power: {{sampler: false}}
+""")
+
+    async def main():
+        d = Daemon(cfg)
+        try:
+            await d.poller.poll_once()
+            await d.pcie.check_once()
+            d.metrics.render()  # fills the cache
+            await d.poller.poll_once()  # a new GPU snapshot; the PCIe block stays cached
+            d.recorder.query("SELECT 1")  # its queued rows are written: the file size holds still
+            cached = d.metrics.render().decode()
+            fresh = generate_latest(d.metrics.registry).decode()
+            return cached, fresh
+        finally:
+            d.poller.close()
+            d.power.close()
+            if d.recorder is not None:
+                d.recorder.close()
+
+    cached, fresh = asyncio.run(main())
+    assert "gpuguard_pcie_link_downgraded" in cached and "gpuguard_gpu_up" in cached
+    assert _without_durations(cached) == _without_durations(fresh)

@@ -7,11 +7,16 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import anyio
-import httpx
+from typing import TYPE_CHECKING
 
 from gpuguard.engines.adapters import Adapter, EngineReading, Health
 from gpuguard.engines.exposition import ExpositionError, Samples
+
+if TYPE_CHECKING:
+    import httpx
+
+# httpx (and anyio) are imported at the first probe, not at start: with no engine
+# configured the daemon never pays their ~7 MiB (httpx pulls in rich for its CLI).
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class EngineProbe:
         return self._http
 
     def _new_client(self) -> httpx.AsyncClient:
+        import httpx
+
         cfg = self.adapter.config
         return httpx.AsyncClient(
             base_url=cfg.url,
@@ -54,6 +61,9 @@ class EngineProbe:
 
     async def _get(self, path: str, timeout: float) -> tuple[str, int | None, str, float]:
         """-> (outcome, status, body, seconds); outcome ok|timeout|refused|error."""
+        import anyio
+        import httpx
+
         t0 = time.monotonic()
         try:
             # fail_after bounds the whole exchange (httpx's timeouts are per phase). It must be

@@ -31,6 +31,7 @@ class DeviceCalls:
         self._busy = 0
         self._n = itertools.count(1)
         self._closed = False
+        self.started = 0  # worker threads started so far
         self._local = threading.local()  # the abandon flag of the call this worker runs
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
@@ -44,6 +45,7 @@ class DeviceCalls:
             if self._idle > 0:
                 self._idle -= 1
             else:
+                self.started += 1
                 threading.Thread(target=self._work, name=f"{self.name}-{next(self._n)}", daemon=True).start()
         return fut
 
@@ -56,18 +58,29 @@ class DeviceCalls:
             self._local.abandon = fut.abandon
             with self._lock:
                 self._busy += 1
+            ok, value = False, None
             try:
                 if fut.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(fn(*args))
+                        ok, value = True, fn(*args)
                     except BaseException as e:  # handed to the awaiting side
-                        fut.set_exception(e)
+                        value = e
             finally:
+                # idle before the result is handed over: the caller's next call (a poll
+                # right after a discovery) finds this worker free instead of starting a
+                # second thread that then takes turns with this one
                 with self._lock:
                     self._busy -= 1
-                    if self._closed:
-                        return
-                    self._idle += 1
+                    closed = self._closed
+                    if not closed:
+                        self._idle += 1
+            if fut.running():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+            if closed:
+                return
 
     async def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         """Run `fn(*args)` on a device thread; asyncio.TimeoutError after `timeout` (the

@@ -1,17 +1,24 @@
-"""Fast power sampling: one small thread per GPU reads only its power source at 20–50 Hz,
+"""Fast power sampling: one thread reads every GPU's power source in turn at 20–50 Hz,
 so gpuguard sees the peaks that trip a PSU, not only the once-a-poll value (INCIDENTS §2:
 two cards tripped a 1300 W supply at an average of 263 W; the cap regulates the average,
 the supply reacts to the peaks).
 
-Owns: the per-GPU sampling threads, their bounded ring of raw samples (for the burst the
+Owns: the sampling threads, each GPU's bounded ring of raw samples (for the burst the
 flight recorder keeps around a power alert) and the per-interval statistics
 (`PowerWindow`: peak, p99, mean, sample count, errors) that the poll cycle takes.
 
 Cheap by construction: a sample is one `read()` of one file (or one NVML call) and a
-float parse; nothing else runs on the thread. Each thread measures its own CPU time and
-halves its rate (down to `MIN_HZ`) when it spends more than its budget — the daemon's
-telemetry must never become the load. A thread per GPU also means one wedged card blocks
-only its own sampling; the poller's timeouts still report that card.
+float parse. One thread for all GPUs, not one per GPU: a wakeup costs more than the read
+(on the 2-core CI VM ~100 µs against ~10 µs), and four per-GPU threads contending for the
+GIL cost 3–4× one thread reading the same four files; the GPUs of one tick are also read
+within the same millisecond, which is what a supply sees summed. The thread measures its
+own CPU time and halves its rate (down to `MIN_HZ`) when it spends more than its budget —
+the daemon's telemetry must never become the load.
+
+A wedged card must not stop the others' sampling: each interval (`take_windows`) and each
+`sync` look for a read that has been in progress longer than `STUCK_AFTER_S`; that GPU
+stays alone on the stuck thread and the others move to a new one. A wedged card costs
+the other GPUs at most one poll interval of samples.
 """
 from __future__ import annotations
 
@@ -30,6 +37,8 @@ BUDGET_CHECK_S = 5.0
 # A window nobody takes (a wedged poll loop) must not grow without bound: past this many
 # samples only the peak and the count move on.
 MAX_WINDOW_SAMPLES = 65536
+# A read in progress this long (or two periods, if longer) is a wedged card.
+STUCK_AFTER_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,8 @@ def p99(values: list[float]) -> float:
 
 
 class GpuSampler:
-    """The sampling thread of one GPU."""
+    """One GPU's samples: the open window, the ring, its counters. A `_SamplerThread`
+    drives it; `thread` is the thread that reads it now."""
 
     def __init__(self, channel: PowerChannel, hz: float, ring_seconds: float, cpu_budget_ratio: float,
                  wall: Callable[[], float] = time.time) -> None:
@@ -107,61 +117,43 @@ class GpuSampler:
         self._window_start = wall()
         self.samples_total = 0
         self.errors_total = 0
-        self.cpu_seconds = 0.0  # this thread's own CPU time (time.thread_time)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"gpuguard-power-{channel.gpu}", daemon=True)
+        self.cpu_seconds = 0.0  # its share of the sampling thread's CPU time (time.thread_time)
+        self.stopped = False
+        self.driver: _SamplerThread | None = None
+
+    @property
+    def thread(self) -> threading.Thread:
+        assert self.driver is not None, "not started"
+        return self.driver.thread
 
     def start(self) -> "GpuSampler":
-        self.thread.start()
+        """Sample on a thread of its own (PowerSampler puts GPUs on one shared thread)."""
+        _SamplerThread([self], self.hz, self.cpu_budget_ratio).start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        """No more samples; a thread left with nothing to read ends (one stuck in a wedged
+        read ends when the read returns)."""
+        self.stopped = True
 
-    def _run(self) -> None:
-        read = self.channel.read
-        period = 1.0 / self.hz
-        next_t = time.monotonic()
-        cpu0 = time.thread_time()
-        check_cpu, check_t = cpu0, next_t
-        while not self._stop.is_set():
-            t = self.wall()
-            try:
-                w = read()
-            except Exception as e:  # noqa: BLE001 — any failure is an error for this sample, named
-                with self._lock:
-                    self._errors += 1
-                    self.errors_total += 1
-                    self._last_error = f"{type(e).__name__}: {e}"
-            else:
-                with self._lock:
-                    if len(self._values) < MAX_WINDOW_SAMPLES:
-                        self._values.append(w)
-                    if self._peak is None or w > self._peak:
-                        self._peak = w
-                    self._count += 1
-                    self.ring.append((t, w))
-                    self.samples_total += 1
-            now = time.monotonic()
-            if now - check_t >= BUDGET_CHECK_S:
-                cpu = time.thread_time()
-                self.cpu_seconds += cpu - check_cpu
-                share = (cpu - check_cpu) / (now - check_t)
-                if share > self.cpu_budget_ratio and self.hz > MIN_HZ:
-                    self.hz = max(MIN_HZ, self.hz / 2)
-                    period = 1.0 / self.hz
-                    log.warning(
-                        "power sampler gpu=%s used %.2f%% of a core (budget %.2f%%) reading %s; rate lowered to %g Hz",
-                        self.channel.gpu, share * 100, self.cpu_budget_ratio * 100, self.channel.where, self.hz,
-                    )
-                check_cpu, check_t = cpu, now
-            next_t += period
-            delay = next_t - time.monotonic()
-            if delay < 0:  # fell behind (a slow read, a loaded host): no catch-up burst
-                next_t = time.monotonic()
-                delay = 0.0
-            self._stop.wait(delay)
-        self.cpu_seconds += time.thread_time() - check_cpu
+    def sample(self) -> None:
+        t = self.wall()
+        try:
+            w = self.channel.read()
+        except Exception as e:  # noqa: BLE001 — any failure is an error for this sample, named
+            with self._lock:
+                self._errors += 1
+                self.errors_total += 1
+                self._last_error = f"{type(e).__name__}: {e}"
+            return
+        with self._lock:
+            if len(self._values) < MAX_WINDOW_SAMPLES:
+                self._values.append(w)
+            if self._peak is None or w > self._peak:
+                self._peak = w
+            self._count += 1
+            self.ring.append((t, w))
+            self.samples_total += 1
 
     def take_window(self) -> PowerWindow:
         """The statistics since the last call; starts a new window."""
@@ -185,9 +177,100 @@ class GpuSampler:
             return [s for s in self.ring if since is None or s[0] >= since]
 
 
+class _SamplerThread:
+    """Reads its GPUs one after another every 1/hz seconds. `members` is replaced, never
+    mutated, so the thread iterates a consistent tuple while another thread re-homes GPUs."""
+
+    _n = 0
+
+    def __init__(self, members: list[GpuSampler], hz: float, cpu_budget_ratio: float) -> None:
+        self.members: tuple[GpuSampler, ...] = tuple(members)
+        self.hz = float(hz)
+        self.cpu_budget_ratio = cpu_budget_ratio
+        self.reading: GpuSampler | None = None  # the GPU whose read is in progress
+        self.reading_since = 0.0  # monotonic
+        self._end_lock = threading.Lock()
+        self.ended = False
+        _SamplerThread._n += 1
+        self.thread = threading.Thread(target=self._run, name=f"gpuguard-power-{_SamplerThread._n}", daemon=True)
+        for m in self.members:
+            m.driver = self
+            m.hz = self.hz
+
+    def start(self) -> "_SamplerThread":
+        self.thread.start()
+        return self
+
+    def add(self, new: list[GpuSampler]) -> bool:
+        """Take more GPUs; False when the thread has ended (or is ending) and cannot."""
+        with self._end_lock:
+            if self.ended:
+                return False
+            for m in new:
+                m.driver = self
+                m.hz = self.hz
+            self.members = self.members + tuple(new)
+            return True
+
+    def stuck(self, now: float) -> GpuSampler | None:
+        r = self.reading
+        return r if r is not None and now - self.reading_since > max(STUCK_AFTER_S, 2.0 / self.hz) else None
+
+    def _run(self) -> None:
+        monotonic, sleep = time.monotonic, time.sleep
+        period = 1.0 / self.hz
+        next_t = monotonic()
+        check_cpu, check_t = time.thread_time(), next_t
+        last: tuple[GpuSampler, ...] = self.members
+        while True:
+            members = self.members
+            if any(m.stopped for m in members):
+                last = members
+                with self._end_lock:
+                    self.members = members = tuple(m for m in self.members if not m.stopped)
+                    if not members:
+                        self.ended = True
+                        break
+            for m in members:
+                self.reading_since = monotonic()
+                self.reading = m
+                m.sample()
+                self.reading = None
+            now = monotonic()
+            if now - check_t >= BUDGET_CHECK_S:
+                cpu = time.thread_time()
+                share = (cpu - check_cpu) / (now - check_t)
+                for m in members:
+                    m.cpu_seconds += (cpu - check_cpu) / len(members)
+                # the budget is per GPU: a thread reading n GPUs may spend n shares
+                if share > self.cpu_budget_ratio * len(members) and self.hz > MIN_HZ:
+                    self.hz = max(MIN_HZ, self.hz / 2)
+                    period = 1.0 / self.hz
+                    for m in members:
+                        m.hz = self.hz
+                    log.warning(
+                        "power sampler gpus=%s used %.2f%% of a core (budget %.2f%% per GPU); rate lowered to %g Hz",
+                        ",".join(m.channel.gpu for m in members), share * 100, self.cpu_budget_ratio * 100, self.hz,
+                    )
+                check_cpu, check_t = cpu, now
+            next_t += period
+            delay = next_t - monotonic()
+            if delay < 0:  # fell behind (a slow read, a loaded host): no catch-up burst
+                next_t = monotonic()
+                delay = 0.0
+            # time.sleep, not Event.wait: a timed Event.wait builds a lock and a condition
+            # round trip per call, twice the cost of the read itself; a stop waits at most
+            # one period (close() joins)
+            sleep(delay)
+        cpu = time.thread_time() - check_cpu
+        for m in last:  # the GPUs it read last: the time since the last check is theirs
+            m.cpu_seconds += cpu / len(last)
+
+
 class PowerSampler:
-    """The set of per-GPU samplers. `sync(channels)` starts a thread for a new or changed
-    channel and stops the thread of one that is gone (a lost GPU, a renumbered hwmon)."""
+    """The per-GPU samplers and the threads that drive them. `sync(channels)` adds a new or
+    changed channel to the shared thread and stops one that is gone (a lost GPU, a
+    renumbered hwmon)."""
 
     def __init__(self, hz: float = 20.0, ring_seconds: float = 10.0, cpu_budget_ratio: float = 0.01,
                  wall: Callable[[], float] = time.time) -> None:
@@ -196,42 +279,85 @@ class PowerSampler:
         self.cpu_budget_ratio = cpu_budget_ratio
         self.wall = wall
         self.samplers: dict[str, GpuSampler] = {}  # gpu name -> sampler
+        self._shared: _SamplerThread | None = None  # where new GPUs go
+        self._threads: list[_SamplerThread] = []
+        self._lock = threading.Lock()
         self._closed = False
 
     def sync(self, channels: Iterable[PowerChannel]) -> None:
-        if self._closed:
+        with self._lock:
+            if self._closed:
+                return
+            wanted = {c.gpu: c for c in channels}
+            for gpu in list(self.samplers):
+                s = self.samplers[gpu]
+                if gpu not in wanted or wanted[gpu].key() != s.channel.key():
+                    s.stop()
+                    del self.samplers[gpu]
+            new = []
+            for gpu, c in wanted.items():
+                if gpu not in self.samplers:
+                    log.info("power sampler gpu=%s bdf=%s reads %s (%s) at %g Hz", c.gpu, c.bdf, c.where, c.source, self.hz)
+                    s = self.samplers[gpu] = GpuSampler(c, self.hz, self.ring_seconds, self.cpu_budget_ratio, self.wall)
+                    new.append(s)
+            self._rehome_stuck()
+            if new and not (self._shared is not None and self._shared.add(new)):
+                self._move(new)
+            self._threads = [t for t in self._threads if t.thread.is_alive()]
+
+    def _move(self, members: list[GpuSampler]) -> None:
+        """Put `members` on a new shared thread (the old one, if any, keeps only what is
+        not moved: a stuck GPU, or nothing, and then it ends)."""
+        old = self._shared
+        t = _SamplerThread(members, self.hz, self.cpu_budget_ratio)
+        if old is not None:
+            moved = {id(m) for m in members}
+            old.members = tuple(m for m in old.members if id(m) not in moved)
+        self._shared = t.start()
+        self._threads.append(t)
+
+    def _rehome_stuck(self) -> None:
+        now = time.monotonic()
+        shared = self._shared
+        if shared is None:
             return
-        wanted = {c.gpu: c for c in channels}
-        for gpu in list(self.samplers):
-            s = self.samplers[gpu]
-            if gpu not in wanted or wanted[gpu].key() != s.channel.key():
-                s.stop()  # a thread stuck in a wedged read ends when the read returns
-                del self.samplers[gpu]
-        for gpu, c in wanted.items():
-            if gpu not in self.samplers:
-                log.info("power sampler gpu=%s bdf=%s reads %s (%s) at %g Hz", c.gpu, c.bdf, c.where, c.source, self.hz)
-                self.samplers[gpu] = GpuSampler(c, self.hz, self.ring_seconds, self.cpu_budget_ratio, self.wall).start()
+        stuck = shared.stuck(now)
+        if stuck is None:
+            return
+        others = [m for m in shared.members if m is not stuck and not m.stopped]
+        log.warning("power sampler gpu=%s: a read of %s has not returned for %.1f s; the other GPUs go on "
+                    "on a new thread", stuck.channel.gpu, stuck.channel.where, now - shared.reading_since)
+        if others:
+            self._move(others)
+        shared.members = (stuck,)
+        self._shared = self._shared if others else None
 
     def set_rate(self, hz: float, ring_seconds: float, cpu_budget_ratio: float) -> None:
         """New settings (a reload): the threads stop and the next `sync` starts new ones."""
         if (hz, ring_seconds, cpu_budget_ratio) == (self.hz, self.ring_seconds, self.cpu_budget_ratio):
             return
-        self.hz, self.ring_seconds, self.cpu_budget_ratio = hz, ring_seconds, cpu_budget_ratio
-        for s in self.samplers.values():
-            s.stop()
-        self.samplers = {}
+        with self._lock:
+            self.hz, self.ring_seconds, self.cpu_budget_ratio = hz, ring_seconds, cpu_budget_ratio
+            for s in self.samplers.values():
+                s.stop()
+            self.samplers = {}
+            self._shared = None
 
     def take_windows(self) -> dict[str, PowerWindow]:
-        return {gpu: s.take_window() for gpu, s in self.samplers.items()}
+        with self._lock:
+            self._rehome_stuck()
+        return {gpu: s.take_window() for gpu, s in list(self.samplers.items())}
 
     def burst(self, gpu: str, since: float | None = None) -> list[tuple[float, float]]:
         s = self.samplers.get(gpu)
         return s.burst(since) if s else []
 
     def close(self, join_timeout: float = 2.0) -> None:
-        self._closed = True
-        for s in self.samplers.values():
-            s.stop()
+        with self._lock:
+            self._closed = True
+            for s in self.samplers.values():
+                s.stop()
+            threads = list(self._threads)
         deadline = time.monotonic() + join_timeout
-        for s in self.samplers.values():
-            s.thread.join(max(0.0, deadline - time.monotonic()))
+        for t in threads:
+            t.thread.join(max(0.0, deadline - time.monotonic()))

@@ -161,7 +161,7 @@ class KmsgReader:
         *,
         batch: int = 256,
         save_interval: float = 1.0,
-        poll_interval: float = 0.5,
+        poll_interval: float = 2.0,
         slice_seconds: float = 0.005,
         proc_root: SysfsRoot | None = None,
         max_fragments: int = 16,
@@ -452,7 +452,8 @@ class KmsgReader:
         loop.add_reader(fd, ready)
         # printk wakes /dev/kmsg pollers from deferred irq_work; a read attempt every
         # `poll_interval` bounds the delay should a wakeup ever be missed (the fd is
-        # non-blocking, so an empty attempt costs one syscall).
+        # non-blocking, so an empty attempt costs one syscall). 2 s, not less: each
+        # attempt is a wakeup of an otherwise idle daemon, for a wakeup never seen missed.
         timer = loop.call_later(self.poll_interval, ready)
         try:
             await fut

@@ -58,6 +58,27 @@ class _Source:
     collect: Collect
     ok: bool = True  # last scrape's result; failures are logged on the change only
     families: set[str] = field(default_factory=set)
+    # () -> a key of everything collect() reads; the same key again serves the text
+    # rendered last time (a PCIe report changes once a minute, a scrape comes every second)
+    inputs: Callable[[], tuple] | None = None
+    cached: tuple | None = None  # (key, text)
+
+
+class _Families:
+    """What generate_latest takes: an object whose collect() yields the families."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def same_objects(*objects: object) -> tuple:
+    """A cache key that holds `objects` themselves and compares them by identity: an
+    immutable snapshot replaced by a new one is a new key (and, held here, its id cannot
+    be reused by another object while the key lives)."""
+    return tuple((id(o), o) for o in objects)
 
 
 def build_families() -> Iterable[Metric]:
@@ -173,7 +194,8 @@ class MetricsSink:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Exposition(self))
         self.add("build", build_families)
-        self.add("gpu", lambda: gpu_families(hub))
+        self.add("gpu", lambda: gpu_families(hub),
+                 inputs=lambda: same_objects(hub.snapshot) + tuple((m.name, m.match) for m in hub.gpus.missing()))
         self.add("nvml", lambda: nvml_families(hub.snapshot))  # NVIDIA health through NVML
         self.add("poller", lambda: poller_families(hub))
         self.add("kernel", lambda: kernel_families(hub))
@@ -184,9 +206,11 @@ class MetricsSink:
     def collectors(self) -> list[str]:
         return list(self._sources)
 
-    def add(self, name: str, collect: Collect) -> None:
+    def add(self, name: str, collect: Collect, inputs: Callable[[], tuple] | None = None) -> None:
         """Register source `name`. Its collect() is run once now: the families it yields are
-        its own, and one another collector already yields is a CollectorError naming both."""
+        its own, and one another collector already yields is a CollectorError naming both.
+        `inputs()`, where given, returns a key of everything collect() reads (see
+        `same_objects`): while it is unchanged, a scrape serves the text rendered before."""
         if not _NAME.match(name):
             raise CollectorError(f"metrics collector name {name!r}: use lowercase letters, digits and _")
         if name in self._sources or name == _SELF:
@@ -195,7 +219,7 @@ class MetricsSink:
             families = [f.name for f in collect()]
         except Exception as e:  # noqa: BLE001 - a start-up bug, reported with the collector's name
             raise CollectorError(f"metrics collector {name!r} failed at registration: {e!r}") from e
-        src = _Source(name, collect)
+        src = _Source(name, collect, inputs=inputs)
         for fam in families:
             self._claim(src, fam)
         self._sources[name] = src
@@ -219,33 +243,65 @@ class MetricsSink:
                                  f"and collector {src.name!r}")
         src.families.add(family)
 
+    def _collect(self, src: _Source) -> list[Metric] | None:
+        """The collector's families, None if it raised (logged on the change)."""
+        try:
+            families = list(src.collect())
+            for fam in families:
+                if fam.name not in src.families:
+                    self._claim(src, fam.name)
+            ok = True
+        except Exception as e:  # noqa: BLE001 - one source's bug must not fail the scrape
+            families, ok = [], False
+            if src.ok:
+                log.error("metrics collector %s failed, its families are left out: %r", src.name, e,
+                          exc_info=not isinstance(e, CollectorError))
+        if ok and not src.ok:
+            log.info("metrics collector %s answers again", src.name)
+        src.ok = ok
+        return families if ok else None
+
+    def _self_families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (_g(DURATION, "Wall time of this scrape's collect, per collector", ["collector"]),
+                _g(SUCCESS, "1 = the collector answered this scrape, 0 = it raised (its families are absent)",
+                   ["collector"]))
+
     def _scrape(self) -> Iterable[Metric]:
+        """Every family, uncached (the registry's view: get_sample_value in tests)."""
         with self._lock:
             out: list[Metric] = []
-            duration = _g(DURATION, "Wall time of this scrape's collect, per collector", ["collector"])
-            success = _g(SUCCESS, "1 = the collector answered this scrape, 0 = it raised (its families are absent)",
-                         ["collector"])
+            duration, success = self._self_families()
             for src in self._sources.values():
                 t0 = time.perf_counter()
-                try:
-                    families = list(src.collect())
-                    for fam in families:
-                        if fam.name not in src.families:
-                            self._claim(src, fam.name)
-                    ok = True
-                except Exception as e:  # noqa: BLE001 - one source's bug must not fail the scrape
-                    families, ok = [], False
-                    if src.ok:
-                        log.error("metrics collector %s failed, its families are left out: %r", src.name, e,
-                                  exc_info=not isinstance(e, CollectorError))
-                if ok and not src.ok:
-                    log.info("metrics collector %s answers again", src.name)
-                src.ok = ok
+                families = self._collect(src)
                 duration.add_metric([src.name], time.perf_counter() - t0)
-                success.add_metric([src.name], 1 if ok else 0)
-                out.extend(families)
+                success.add_metric([src.name], 0 if families is None else 1)
+                out.extend(families or ())
             out += [duration, success]
             return out
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text: each collector's block rendered by client_python's
+        generate_latest, a block whose inputs did not change served as rendered before.
+        The same bytes as generate_latest over every family at once (a block per family)."""
+        with self._lock:
+            parts: list[bytes] = []
+            duration, success = self._self_families()
+            for src in self._sources.values():
+                t0 = time.perf_counter()
+                try:
+                    key = src.inputs() if src.inputs is not None else None
+                except Exception:  # noqa: BLE001 - then no cache: collect() reports its own errors
+                    key = None
+                if key is not None and src.cached is not None and src.cached[0] == key:
+                    text, ok = src.cached[1], True
+                else:
+                    families = self._collect(src)
+                    ok = families is not None
+                    text = generate_latest(_Families(families or []))
+                    src.cached = (key, text) if key is not None and ok else None
+                duration.add_metric([src.name], time.perf_counter() - t0)
+                success.add_metric([src.name], 1 if ok else 0)
+                parts.append(text)
+            parts.append(generate_latest(_Families([duration, success])))
+            return b"".join(parts)

@@ -15,10 +15,9 @@ import asyncio
 import collections
 import logging
 import socket
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 from urllib.parse import urlsplit
 
-import httpx
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from gpuguard.sinks.alert_gate import AlertGate, AlertQueue
@@ -27,6 +26,9 @@ from gpuguard import __version__
 from gpuguard.config.service import WebhookConfig
 from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("gpuguard.webhook")
 
@@ -82,7 +84,6 @@ class WebhookNotifier:
     # -- lifecycle (inside the running loop) -------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._client = httpx.AsyncClient(follow_redirects=False)
         self.configure(self._configs)
 
     def configure(self, webhooks: Iterable[WebhookConfig]) -> None:
@@ -92,6 +93,12 @@ class WebhookNotifier:
         if self._loop is None:
             return
         wanted = {w.url: w for w in self._configs}
+        if wanted and self._client is None:
+            # made with the first URL, not at the first alert: importing httpx then took
+            # up to a second on a loaded host, late for an alert promised within one
+            import httpx
+
+            self._client = httpx.AsyncClient(follow_redirects=False)
         for url in list(self._targets):
             if url not in wanted or self._targets[url].cfg != wanted[url]:
                 t = self._targets.pop(url)
@@ -153,6 +160,8 @@ class WebhookNotifier:
             await self._deliver(t, event)
 
     async def _deliver(self, t: _Target, event: Event) -> bool:
+        import httpx  # imported by configure() with the first URL: a host without webhooks never pays it
+
         assert self._client is not None
         body = payload(event)
         delay = BACKOFF_FIRST

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole suite N times in a row with a busy neighbour on the same machine
+# (bench/neighbour.py: simulated engines serving and restarting, writes to /dev/kmsg, a CPU
+# hog). Stops at the first failing run. One line per run goes to the log.
+#
+#   bench/soak.sh [RUNS] [LOG]        # default 5 runs, bench/results/soak-<date>.txt
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RUNS="${1:-5}"
+LOG="${2:-bench/results/soak-$(date -u +%Y%m%dT%H%M%SZ).txt}"
+mkdir -p "$(dirname "$LOG")"
+# this checkout's code, whatever `pip install -e` pointed at last
+export PYTHONPATH="$PWD/daemon${PYTHONPATH:+:$PYTHONPATH}"
+python3 bench/neighbour.py --hogs "${SOAK_HOGS:-1}" >"$LOG.neighbour" 2>&1 &
+NEIGHBOUR=$!
+trap 'kill $NEIGHBOUR 2>/dev/null; wait $NEIGHBOUR 2>/dev/null' EXIT
+{
+  echo "soak: $RUNS runs of 'python3 -m pytest -q' at $(git rev-parse --short HEAD), $(nproc) cores"
+  echo "beside: $(head -1 "$LOG.neighbour" 2>/dev/null)"
+} | tee "$LOG"
+for i in $(seq 1 "$RUNS"); do
+  start=$(date +%s)
+  python3 -m pytest -q -p no:cacheprovider >"$LOG.run$i" 2>&1
+  rc=$?
+  end=$(date +%s)
+  summary=$(tail -1 "$LOG.run$i")
+  echo "run $i: exit $rc in $((end - start)) s, load $(cut -d' ' -f1-3 /proc/loadavg): $summary" | tee -a "$LOG"
+  if [ "$rc" -ne 0 ]; then
+    grep -E "^(FAILED|ERROR) " "$LOG.run$i" | tee -a "$LOG"
+    exit "$rc"
+  fi
+done
+echo "soak: $RUNS of $RUNS runs passed" | tee -a "$LOG"

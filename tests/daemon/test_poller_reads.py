@@ -1,0 +1,188 @@
+"""How the poller reads: every answering card on ONE device thread per cycle (a thread
+handoff per GPU was most of an idle daemon's CPU), a card that does not answer left to its
+thread and reported, the cards not read yet sent out one per thread so a second wedged
+card costs no more than the first; and the periodic discovery walks the PCI bus only when
+the set of devices bound to amdgpu changed."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+from gpuguard.hw.sources import AmdgpuSource
+from gpuguard.hw.sysfs import SysfsRoot
+from gpuguard.poller import GpuPoller
+from gpuguard.sim.runner import build_scenario
+from gpuguard.sim.tree import write_tree
+from gpuguard.state.hub import Hub
+from gpuguard.state.snapshot import GpuSnapshot
+
+BDFS = ["0000:05:00.0", "0000:08:00.0", "0000:aa:00.0", "0000:b0:00.0"]
+
+
+class Dev:
+    def __init__(self, bdf: str) -> None:
+        self.bdf, self.vendor, self.device_id, self.model, self.driver = bdf, "1002", "7551", "R9700", "amdgpu"
+        self.subsystem, self.revision, self.card = "1002:0000", "c0", None
+
+
+class Cards:
+    """A GPU source whose reads of the cards in `wedged` block until released, as a read
+    of a card that stopped answering blocks in the driver. Records the reading threads."""
+
+    name = "amdgpu"
+
+    def __init__(self) -> None:
+        self.wedged: dict[str, threading.Event] = {}
+        self.threads: set[str] = set()
+
+    def discover(self):
+        return [Dev(b) for b in BDFS]
+
+    def read(self, dev: Dev, name: str) -> GpuSnapshot:
+        self.threads.add(threading.current_thread().name)
+        gate = self.wedged.get(dev.bdf)
+        if gate is not None:
+            gate.wait(30)
+        return GpuSnapshot(name=name, bdf=dev.bdf, vendor="1002", device_id="7551", driver="amdgpu", model="R9700", card=None,
+                           up=True, time=time.time(), power_watts=100.0)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def by_bdf(snap) -> dict[str, GpuSnapshot]:
+    return {g.bdf: g for g in snap.gpus}
+
+
+def test_answering_cards_are_read_on_one_device_thread():
+    cards = Cards()
+    poller = GpuPoller(Hub(), [cards], timeout=2.0)
+
+    async def main():
+        return [await poller.poll_once() for _ in range(5)]
+
+    try:
+        snaps = run(main())
+    finally:
+        poller.close()
+    assert all(g.up and g.power_watts == 100.0 for s in snaps for g in s.gpus)
+    assert len(snaps[-1].gpus) == 4
+    # discovery and five cycles of four reads: one worker, reused
+    assert len(cards.threads) == 1, cards.threads
+    assert poller._pool.started == 1
+
+
+def test_a_wedged_card_is_reported_and_the_others_are_read_in_the_same_cycle():
+    cards = Cards()
+    gate = cards.wedged[BDFS[0]] = threading.Event()  # the first in the batch: all others wait behind it
+    poller = GpuPoller(Hub(), [cards], timeout=0.5)
+
+    async def main():
+        first = await poller.poll_once()
+        t0 = time.monotonic()
+        second = await poller.poll_once()
+        second_s = time.monotonic() - t0
+        gate.set()
+        for _ in range(200):  # the stuck read returns on its thread; the next cycle reads it again
+            await asyncio.sleep(0.01)
+            if not poller._stuck or all(s.done() for s in poller._stuck.values()):
+                break
+        third = await poller.poll_once()
+        return first, second, second_s, third
+
+    try:
+        first, second, second_s, third = run(main())
+    finally:
+        gate.set()
+        poller.close()
+    one = by_bdf(first)
+    assert not one[BDFS[0]].up
+    assert one[BDFS[0]].errors == {"read": "read timed out after 0.5 s; device not answering"}
+    assert all(one[b].up and one[b].power_watts == 100.0 for b in BDFS[1:])
+    two = by_bdf(second)
+    assert two[BDFS[0]].errors == {"read": "an earlier read is still stuck (> 0.5 s); device not answering"}
+    assert all(two[b].up for b in BDFS[1:])
+    # the stuck card is not waited for again: the cycle is as quick as the others' reads
+    assert second_s < 0.5, second_s
+    assert all(g.up for g in third.gpus)
+
+
+def test_two_wedged_cards_in_one_cycle_cost_no_more_than_two_timeouts():
+    cards = Cards()
+    gates = [cards.wedged.setdefault(b, threading.Event()) for b in (BDFS[0], BDFS[2])]
+    poller = GpuPoller(Hub(), [cards], timeout=0.5)
+
+    async def main():
+        await poller.discover()
+        t0 = time.monotonic()
+        snap = await poller.poll_once()
+        return snap, time.monotonic() - t0
+
+    try:
+        snap, took = run(main())
+    finally:
+        for g in gates:
+            g.set()
+        poller.close()
+    got = by_bdf(snap)
+    assert [b for b in BDFS if not got[b].up] == [BDFS[0], BDFS[2]]
+    assert all("read timed out after 0.5 s" in got[b].errors["read"] for b in (BDFS[0], BDFS[2]))
+    assert got[BDFS[1]].up and got[BDFS[3]].up
+    # one timeout for the batch, one for the cards sent out after it (in parallel), not one
+    # per card in turn; generous slack for a loaded 2-core machine
+    assert took < 2 * 0.5 + 1.0, took
+
+
+class CountingAmdgpu(AmdgpuSource):
+    def __init__(self, root: SysfsRoot) -> None:
+        super().__init__(root)
+        self.walks = 0
+
+    def discover(self):
+        self.walks += 1
+        return super().discover()
+
+
+def test_periodic_discovery_walks_the_bus_only_when_the_bound_devices_change(tmp_path):
+    write_tree(build_scenario("incident"), str(tmp_path))
+    source = CountingAmdgpu(SysfsRoot(str(tmp_path)))
+    poller = GpuPoller(Hub(), [source], discover_every=0.0)  # a periodic look at every cycle
+    bound = tmp_path / "sys/bus/pci/drivers/amdgpu"
+
+    async def cycles(n: int):
+        for _ in range(n):
+            snap = await poller.poll_once()
+        return snap
+
+    try:
+        snap = run(cycles(3))
+        assert source.walks == 1 and len(snap.gpus) == 4
+        # the driver binds a card at an address it did not have: the next look walks the bus
+        gone = bound / "0000:b0:00.0"
+        target = os.readlink(gone)
+        gone.unlink()
+        snap = run(cycles(1))
+        assert source.walks == 2
+        os.symlink(target, gone)
+        snap = run(cycles(2))
+        assert source.walks == 3 and len(snap.gpus) == 4
+        # a discovery asked for (udev, a renumbered hwmon) walks even when nothing is new
+        poller.request_discovery()
+        run(cycles(1))
+        assert source.walks == 4
+    finally:
+        poller.close()
+
+
+def test_a_driver_loaded_after_start_is_a_change(tmp_path):
+    source = AmdgpuSource(SysfsRoot(str(tmp_path)))
+    assert source.unchanged() is False  # never discovered
+    source.discover()
+    assert source.unchanged() is True  # no amdgpu bound, still none
+    bound = tmp_path / "sys/bus/pci/drivers/amdgpu"
+    bound.mkdir(parents=True)
+    (bound / "0000:03:00.0").symlink_to("../../../../devices/pci0000:00/0000:00:01.0/0000:03:00.0")
+    assert source.unchanged() is False
