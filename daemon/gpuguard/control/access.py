@@ -49,7 +49,9 @@ def require_token(request: Request) -> Caller:
         raise
 
 
-def read_access(request: Request) -> None:
+async def read_access(request: Request) -> None:
+    # async: FastAPI runs a plain def dependency on its thread pool, a thread handoff per
+    # read for what is a comparison in memory
     policy: AccessPolicy = request.app.state.policy
     if policy.reads_need_token:
         require_token(request)

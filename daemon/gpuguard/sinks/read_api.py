@@ -19,7 +19,10 @@ read = [Depends(read_access)]
 
 
 @router.get("/metrics", include_in_schema=False, dependencies=read)
-def get_metrics(request: Request) -> Response:
+async def get_metrics(request: Request) -> Response:
+    # on the loop, not the thread pool: the render formats memory only (2-10 ms, blocks
+    # served as rendered when unchanged), and a worker thread would hold the GIL for it
+    # anyway, plus two thread handoffs a scrape
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
 
