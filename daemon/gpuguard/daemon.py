@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -79,6 +80,16 @@ class _Server(uvicorn.Server):
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._exit_now.wait(), 1.0)
+
+
+def freeze_start_up_objects() -> int:
+    """Move everything alive after start-up (modules, pydantic and FastAPI's models, the
+    config, ~75 000 objects) out of the collector's sight; returns how many. Each full
+    collection walked them all, 25-35 ms with the GIL held, about every half minute at
+    32 GPUs: the slowest scrapes. They live as long as the process anyway."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 Notifier = SystemdNotify  # the older name of sinks/systemd.SystemdNotify, kept for callers
@@ -550,6 +561,7 @@ class Daemon:
                 self.bound_port,
             )
             self.notify.ready(summary_line(self.hub))
+            freeze_start_up_objects()
             for fn in self.on_serving:
                 fn()
             self.tasks.append(asyncio.create_task(self.pcie.run(self.stop_event), name="pcie"))
