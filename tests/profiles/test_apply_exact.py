@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.hw.sysfs import SysfsError
+from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 from gpuguard.profiles.apply import Applier, CardReading, CardResult, CardTarget, result_event
 from gpuguard.profiles.kernel_reason import KmsgReasons
 from gpuguard.profiles.plan import CapLimits, plan_apply
@@ -52,13 +52,28 @@ class Recording(SimRoot):
         return [(p, v) for p, v, err in self.writes if not err]
 
 
+class Faulty(Recording):
+    """Reads of the named files fail with the given errno (a card half asleep, a flaky
+    hwmon), the rest goes to the simulator."""
+
+    def __init__(self, host, files_root: str) -> None:
+        super().__init__(host, files_root)
+        self.fail: dict[str, int] = {}
+
+    def read_bytes(self, rel: str) -> bytes:
+        for suffix, err in self.fail.items():
+            if rel.endswith(suffix):
+                raise SysfsError(rel, err)
+        return super().read_bytes(rel)
+
+
 class Rig:
     def __init__(self, tmp_path: Path, host: SimHost | None = None, kmsg: bool = True, **kw) -> None:
         self.host = host or SimHost.incident()
         if kmsg:
             (tmp_path / "dev").mkdir()
             (tmp_path / "dev" / "kmsg").write_text("")
-        self.root = Recording(self.host, str(tmp_path))
+        self.root = Faulty(self.host, str(tmp_path))
         self.audit: list[dict] = []
         self.sleeps: list[float] = []
         self.on_sleep = lambda s: None
@@ -139,6 +154,74 @@ def test_a_card_without_an_amdgpu_hwmon(rig):
     res = r.applier.apply(T, "cap", Profile(power_cap_w=250), "test", "why")
     assert (res.result, res.message) == ("config", "r9700-a: profile setting power_cap_w: the card has no hwmon "
                                                    "power1_cap")
+
+
+@pytest.mark.parametrize("fail,transient", [
+    ({"/pp_od_clk_voltage": errno.EPERM}, True),
+    ({"/pp_od_clk_voltage": errno.EIO}, False),
+    ({"/power1_cap_max": errno.EBUSY}, True),
+    ({"/power1_cap_max": errno.EIO}, False),
+    ({"/power_dpm_force_performance_level": errno.EAGAIN}, True),
+    ({"/power_dpm_force_performance_level": errno.EIO}, False),
+    # one transient failure is enough, whatever fails after it
+    ({"/pp_od_clk_voltage": errno.EPERM, "/power1_cap_max": errno.EIO}, True),
+    ({"/power1_cap_min": errno.EPERM, "/power1_cap_max": errno.EIO}, True),
+])
+def test_a_read_failing_with_eperm_ebusy_or_eagain_means_asleep_or_resetting(rig, fail, transient):
+    r = rig()
+    r.root.fail = fail
+    assert r.applier.read(T).transient is transient
+
+
+def test_what_a_failed_read_leaves(rig):
+    r = rig()
+    r.root.fail = {"/pp_od_clk_voltage": errno.EIO, "/power1_cap_max": errno.EIO, "/runtime_status": errno.EIO,
+                   "/power_dpm_force_performance_level": errno.EIO}
+    rd = r.applier.read(T)
+    assert (rd.od, rd.od_missing, rd.od_error) == (None, None, f"read {OD}: EIO (Input/output error)")
+    assert rd.cap == CapLimits(210_000_000, None, 300_000_000, 300_000_000)
+    assert rd.cap_error == f"read {DEV}/hwmon/hwmon4/power1_cap_max: EIO (Input/output error)"
+    assert (rd.runtime_status, rd.performance_level) == (None, None)
+
+
+def test_a_cap_limit_the_card_does_not_print_is_none_not_an_error(tmp_path):
+    root = SysfsRoot(str(tmp_path))
+    dev = tmp_path / DEV.lstrip("/")
+    (dev / "hwmon" / "hwmon2").mkdir(parents=True)
+    (dev / "hwmon" / "hwmon2" / "name").write_text("amdgpu\n")
+    (dev / "hwmon" / "hwmon2" / "power1_cap").write_text("120000000\n")
+    rd = Applier(root).read(T)
+    assert (rd.cap, rd.cap_error) == (CapLimits(None, None, None, 120_000_000), None)
+
+
+def test_the_amdgpu_hwmon_is_found_past_one_whose_name_cannot_be_read(tmp_path):
+    dev = tmp_path / DEV.lstrip("/")
+    (dev / "hwmon" / "hwmon1" / "name").mkdir(parents=True)  # reading a folder: EISDIR
+    (dev / "hwmon" / "hwmon2").mkdir(parents=True)
+    (dev / "hwmon" / "hwmon2" / "name").write_text("amdgpu\n")
+    (dev / "hwmon" / "hwmon3").mkdir(parents=True)
+    (dev / "hwmon" / "hwmon3" / "name").write_text("amdgpu\n")
+    assert Applier(SysfsRoot(str(tmp_path))).hwmon(T) == f"{DEV}/hwmon/hwmon2"
+
+
+def test_a_card_without_an_od_file_says_why(tmp_path):
+    root = SysfsRoot(str(tmp_path))
+    (tmp_path / DEV.lstrip("/")).mkdir(parents=True)
+    params = tmp_path / "sys/module/amdgpu/parameters"
+    params.mkdir(parents=True)
+    (params / "ppfeaturemask").write_text("0xfff7bfff\n")
+    rd = Applier(root).read(T)
+    assert (rd.od, rd.od_error) == (None, None)
+    assert rd.od_missing == ("OD is disabled at module load: amdgpu.ppfeaturemask=0xfff7bfff lacks the overdrive bit "
+                             "0x4000; add amdgpu.ppfeaturemask=0xfff7ffff to the kernel command line and reboot (the "
+                             "parameter cannot change at runtime)")
+
+
+def test_an_od_table_that_does_not_parse_is_named_by_its_path(rig):
+    r = rig()
+    r.host.garbage(BDF, "pp_od_clk_voltage", "OD_SCLK:\n0: ???\n")
+    rd = r.applier.read(T)
+    assert rd.od is None and rd.od_error.startswith(f"{OD}: ")
 
 
 def test_a_cap_limit_that_reads_as_an_empty_line(rig):
@@ -365,6 +448,25 @@ def test_a_card_busy_resetting_is_retried_until_it_answers(rig):
     assert res.written == ("power1_cap: 250000000",)
 
 
+def test_errno_text():
+    from gpuguard.profiles.apply import _errno_text
+
+    assert _errno_text(errno.EINVAL) == "EINVAL (Invalid argument)"
+    assert _errno_text(4242) == "4242 (Unknown error 4242)"
+
+
+def test_without_a_kernel_reason_given_the_kernel_log_is_read(tmp_path):
+    """`gpuguard apply` builds the applier without one: the default reads `dev/kmsg`."""
+    host = SimHost.incident()
+    a = Applier(SimRoot(host, str(tmp_path)), sleep=lambda s: None)
+    assert isinstance(a.kernel_reason, KmsgReasons)
+    reading = a.read(T)
+    plan = plan_apply("r9700-a", "psu-safe", Profile(sclk_offset_mhz=-500), reading.od, reading.cap)
+    host.lose_gpu(BDF, steps_before_removal=5)
+    res = a._execute(T, plan, reading.values(), "test", "why")
+    assert res.message.endswith(f"kernel log: cannot read the kernel log {tmp_path}/dev/kmsg: No such file or directory")
+
+
 # ------------------------------------------------------------------ before writing
 
 
@@ -418,3 +520,224 @@ def test_reset_puts_stock_back(rig):
         "ok", "stock", True, ("pp_od_clk_voltage: r", "power1_cap: 300000000"))
     assert dict(res.expected) == {"sclk_offset_mhz": 0, "vddgfx_offset_mv": 0, "power_cap_w": 300}
     assert r.root.ok() == [(CONTROL, "on"), (OD, "r"), (CAP, "300000000"), (CONTROL, "auto")]
+
+
+# ------------------------------------------------------------------ more ends, exactly
+
+
+def _gone_mid_apply(r, at_call: int, **lose) -> None:
+    calls = {"n": 0}
+
+    def may_write(bdf):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            r.host.lose_gpu(BDF, **lose)
+        return True
+
+    r.applier.may_write = may_write
+
+
+def test_card_gone_mid_apply_is_never_verified(rig):
+    r = rig()
+    _gone_mid_apply(r, 4, steps_before_removal=0)  # before the second OD write
+    res = r.applier.apply(T, "psu-safe", PSU, "test", "why")
+    text = f"write 'vo -100' to {OD}: ENOENT (No such file or directory)"
+    assert (res.result, res.verified, res.written, res.errors, res.message) == (
+        "lost", False, ("pp_od_clk_voltage: s -500",), (text,), text)
+
+
+def test_card_in_trouble_mid_apply_stops_with_what_it_wrote(rig):
+    r = rig()
+    _gone_mid_apply(r, 4, steps_before_removal=5)  # fallen off, still bound: EINVAL, reads fail EIO
+    res = r.applier.apply(T, "psu-safe", PSU, "test", "why")
+    text = f"write 'vo -100' to {OD}: EINVAL (Invalid argument); kernel log: no reason logged"
+    assert (res.result, res.verified, res.attempts, res.written, res.errors, res.message) == (
+        "error", False, 1, ("pp_od_clk_voltage: s -500",), (text,), text)
+
+
+def test_a_value_the_card_refuses_stops_the_apply_and_reads_the_card_back(rig):
+    """The card's own check refuses what ours let through (a plan built past validation):
+    EINVAL, no retry, and the result shows what the card holds now."""
+    from gpuguard.profiles.plan import Plan, Write
+
+    r = rig()
+    plan = Plan("r9700-a", "x", "rdna4", (Write("pp_od_clk_voltage", "s -500", "sclk_offset_mhz"),
+                                          Write("pp_od_clk_voltage", "vo -300", "vddgfx_offset_mv"),
+                                          Write("pp_od_clk_voltage", "c")), {"vddgfx_offset_mv": -300})
+    res = r.applier._execute(T, plan, BEFORE, "test", "why")
+    text = f"write 'vo -300' to {OD}: EINVAL (Invalid argument); kernel log: no reason logged"
+    assert (res.result, res.verified, res.attempts, res.written, res.errors, res.message) == (
+        "error", False, 1, ("pp_od_clk_voltage: s -500",), (text,), text)
+    assert res.readback == {**BEFORE, "sclk_offset_mhz": -500}  # staged, shown, not committed by us
+
+
+def test_a_kernel_reason_given_as_a_plain_function(rig):
+    """`kernel_reason(bdf, since) -> str | None` may be any callable: one without KmsgReasons'
+    `mark()` and `error` is called with the time of the write."""
+    r = rig()
+    seen = []
+
+    def reason(bdf, since):
+        seen.append((bdf, type(since)))
+        return "GfxclkFmax (3000) must be within [500, 2900]!" if len(seen) == 1 else None
+
+    r.applier.kernel_reason = reason
+    reading = r.applier.read(T)
+    plan = plan_apply("r9700-a", "psu-safe", Profile(sclk_offset_mhz=-500), reading.od, reading.cap)
+    r.host.lose_gpu(BDF, steps_before_removal=5)
+    res = r.applier._execute(T, plan, reading.values(), "test", "why")
+    assert res.message == (f"write 's -500' to {OD}: EINVAL (Invalid argument); kernel log: GfxclkFmax (3000) must be "
+                           "within [500, 2900]!")
+    assert seen == [(BDF, float)]
+    res = r.applier._execute(T, plan, reading.values(), "test", "why")
+    assert res.message == f"write 's -500' to {OD}: EINVAL (Invalid argument); kernel log: no reason logged"
+
+
+def test_every_attempt_busy_ends_unverified_with_the_last_error(rig):
+    r = rig(retries=2)
+    calls = {"n": 0}
+
+    def may_write(bdf):
+        calls["n"] += 1
+        if calls["n"] >= 3:  # every cap write, after the wake
+            r.host.reset_gpu(BDF, steps=1)
+        return True
+
+    r.applier.may_write = may_write
+    r.on_sleep = lambda s: r.host.step(1.0)
+    res = r.applier.apply(T, "cap", Profile(power_cap_w=250), "test", "why")
+    busy = f"write '250000000' to {CAP}: EPERM (Operation not permitted)"
+    assert (res.result, res.verified, res.attempts, res.written, dict(res.readback), res.errors) == (
+        "mismatch", False, 3, (), {}, (busy,) * 3)
+    assert res.message == f"still wrong after 3 attempt(s): {busy}"
+    assert r.sleeps == [0.5, 1.0]
+
+
+def test_an_unreadable_setting_after_a_busy_first_attempt_keeps_that_error(rig):
+    r = rig(host=SimHost.incident(era="6.12"))
+    calls = {"n": 0}
+
+    def may_write(bdf):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first OD write
+            r.host.reset_gpu(BDF, steps=1)
+        return True
+
+    r.applier.may_write = may_write
+    r.on_sleep = lambda s: r.host.step(1.0)
+    res = r.applier.apply(T, "psu-safe", Profile(sclk_offset_mhz=-500), "test", "why")
+    assert (res.result, res.attempts) == ("mismatch", 2)
+    assert res.errors == (f"write 's 1 -500' to {OD}: EPERM (Operation not permitted)",)
+    assert res.message.endswith("cannot be read back on this kernel (SMU14 before d9d4cb224e41 prints the firmware "
+                                "limits instead of the setting): unverified")
+
+
+def test_an_empty_profile_writes_nothing_and_reads_back_equal(rig):
+    r = rig()
+    res = r.applier.apply(T, "empty", Profile(), "test", "why")
+    assert (res.result, res.verified, res.planned, res.written, res.attempts) == ("ok", True, (), (), 1)
+    assert r.root.ok() == [(CONTROL, "on"), (CONTROL, "auto")]
+
+
+def test_persistent_mismatch_keeps_what_it_wrote(rig):
+    r = rig(retries=1)
+    r.gpu().faults.ignore_next.add("stage")
+    r.on_sleep = lambda s: r.gpu().faults.ignore_next.add("stage")
+    res = r.applier.apply(T, "psu-safe", PSU, "test", "why")
+    assert (res.result, res.written) == ("mismatch", PLANNED + PLANNED)
+
+
+def test_unparsable_od_table_result_exactly(rig):
+    r = rig()
+    r.host.garbage(BDF, "pp_od_clk_voltage", "OD_SCLK:\n0: ???\n")
+    res = r.applier.apply(T, "psu-safe", PSU, "test", "why")
+    err = res.errors[0]
+    assert res == CardResult("r9700-a", BDF, "psu-safe", "error", False, f"cannot read the OD table: {err}",
+                             before={"power_cap_w": 300, "performance_level": "auto"}, errors=(err,))
+
+
+def test_every_problem_of_a_refused_plan_is_in_the_message(rig):
+    r = rig()
+    res = r.applier.apply(T, "bad", Profile(sclk_offset_mhz=-600, vddgfx_offset_mv=-300), "test", "why")
+    problems = ("r9700-a: sclk_offset_mhz=-600 MHz refused: outside the card's OD_RANGE -500…1000 MHz",
+                "r9700-a: vddgfx_offset_mv=-300 mV refused: outside the card's OD_RANGE -200…0 mV")
+    assert (res.result, res.message, res.errors) == ("refused", "; ".join(problems), problems)
+
+
+def test_a_card_without_od_names_the_kernel_parameter(tmp_path):
+    host = SimHost.incident(od_enabled=False)
+    root = SimRoot(host, str(tmp_path))
+    res = Applier(root, sleep=lambda s: None).apply(T, "psu-safe", PSU, "test", "why")
+    assert res.result == "od_disabled"
+    assert res.message.startswith("r9700-a: cannot set sclk_offset_mhz, vddgfx_offset_mv: ")
+    assert "amdgpu.ppfeaturemask=" in res.message and "pp_od_clk_voltage is missing" not in res.message
+
+
+def test_waking_waits_for_the_card_to_be_active(rig):
+    r = rig()
+    r.host.suspend(BDF)
+    states = iter(["suspended", "suspended", "suspended"])
+    real = r.root.read_bytes
+
+    def runtime_status(rel):
+        if rel.endswith("/power/runtime_status") and any(v == "on" for _, v, _ in r.root.writes):
+            return (next(states, "active") + "\n").encode()
+        return real(rel)
+
+    r.root.read_bytes = runtime_status
+    assert r.applier.apply(T, "cap", Profile(power_cap_w=250), "test", "why").verified
+    assert r.sleeps == [0.02, 0.02, 0.02]
+    assert r.root.ok()[-1] == (CONTROL, "auto")
+    assert r.audit[0] == _write(CONTROL, "on", "keep the card awake while applying (why)")
+
+
+@pytest.mark.slow
+def test_waking_gives_up_after_two_seconds(rig):
+    """A card that never says `active`: the default wait is 2 s, then the apply goes on."""
+    import time
+
+    r = rig(sleep=time.sleep)
+    r.host.suspend(BDF)
+    real = r.root.read_bytes
+    r.root.read_bytes = lambda rel: b"suspended\n" if rel.endswith("/power/runtime_status") else real(rel)
+    t0 = time.monotonic()
+    old = r.applier._wake(T, "test", "why")
+    took = time.monotonic() - t0
+    assert old == "auto" and 2.0 <= took < 2.9, took
+
+
+def test_reset_is_audited_and_refused_like_an_apply(rig):
+    r = rig()
+    assert r.applier.apply(T, "psu-safe", PSU, "test", "why").verified
+    r.audit.clear()
+    res = r.applier.reset(T, "ops", "back to stock")
+    assert res.verified and [(a["action"], a["who"], a["why"]) for a in r.audit] == [
+        ("write", "ops", "keep the card awake while applying (back to stock)"), ("write", "ops", "back to stock"),
+        ("write", "ops", "back to stock"), ("verified", "ops", "back to stock"),
+        ("write", "ops", "restore runtime power management")]
+    dry = r.applier.reset(T, "ops", "why", dry_run=True)
+    assert (dry.result, dry.profile, dry.planned) == ("dry-run", "stock", ("pp_od_clk_voltage: r", "power1_cap: 300000000"))
+    r.applier.is_lost = lambda b: True
+    assert (r.applier.reset(T, "ops", "why").result, r.applier.reset(T, "ops", "why").profile) == ("lost", "stock")
+
+
+def test_nothing_to_reset_names_the_card(tmp_path):
+    (tmp_path / DEV.lstrip("/")).mkdir(parents=True)
+    res = Applier(SysfsRoot(str(tmp_path))).reset(T, "ops", "why")
+    assert (res.result, res.profile, res.message) == (
+        "config", "stock", "r9700-a: nothing to reset (no OD table and no power1_cap_default)")
+
+
+def test_a_sleeping_card_is_woken_with_who_and_why(rig):
+    r = rig()
+    assert r.host.suspend(BDF)
+    assert r.applier.apply(T, "psu-safe", PSU, "ops", "boot").verified
+    assert r.audit[0] == {"action": "write", "who": "ops", "why": "keep the card awake while applying (boot)",
+                          "gpu": "r9700-a", "bdf": BDF, "file": CONTROL, "value": "on", "result": "ok"}
+
+
+def test_unverified_event_names_its_card(rig):
+    r = rig()
+    res = r.applier.apply(T, "bad", Profile(sclk_offset_mhz=-600), "test", "why")
+    ev = result_event(res, source="lifecycle")
+    assert (ev.kind, ev.source, ev.gpu, ev.bdf) == ("profile_unverified", "lifecycle", "r9700-a", BDF)
