@@ -99,3 +99,13 @@ def test_the_order_is_not_trusted_when_a_name_is_known_at_another_present_addres
     assert A not in ident.names and B not in ident.names
     assert [m.why for m in ident.missing] == [ORDER_CHANGED, ORDER_CHANGED]
 
+
+
+def test_an_unnamed_card_of_a_group_whose_entries_all_hold_is_not_identified():
+    """Three XTX for two configured, both names held by what this process knew: the third
+    card is unnamed for no missing entry of its own (not for another group's address)."""
+    entries = [GpuEntry(name="gone", match={"bdf": R1})] + XTX_ENTRIES
+    ident = identify(xtx(A, B, C), entries, known={A: "xtx-0", B: "xtx-1"})
+    assert dict(ident.names) == {A: "xtx-0", B: "xtx-1"}
+    assert ident.missing == (MissingCard("gone", R1, "no card at this PCI address"),)
+    assert dict(ident.unnamed_why) == {C: "not identified"}
