@@ -1,11 +1,14 @@
 """Helpers shared by tests (importable: pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
+import errno as errno_mod
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
+
+from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 
 def api_routes(app) -> list:
@@ -67,3 +70,41 @@ class WebhookReceiver:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class SimRoot(SysfsRoot):
+    """The simulated host as a `SysfsRoot`, in process: every read and write goes through
+    the simulator's kernel-like file operations (`SimHost.read/write`, real errno), no
+    FUSE mount. `files_root` is where paths opened with os.open (the kernel log
+    `dev/kmsg`) resolve: a real folder the test fills."""
+
+    def __init__(self, host, files_root: str = "/") -> None:
+        super().__init__(files_root)
+        self.host = host
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            return self.host.read("/" + rel.lstrip("/"))
+        except OSError as e:
+            raise SysfsError(rel, e.errno or errno_mod.EIO) from None
+
+    def write_text(self, rel: str, value: str) -> None:
+        try:
+            self.host.write("/" + rel.lstrip("/"), value.encode())
+        except OSError as e:
+            raise SysfsError(rel, e.errno or errno_mod.EIO, "write") from None
+
+    def exists(self, rel: str) -> bool:
+        try:
+            self.host.getattr("/" + rel.lstrip("/"), follow=True)
+            return True
+        except OSError:
+            return False
+
+    def listdir(self, rel: str) -> list[str]:
+        try:
+            return sorted(self.host.readdir("/" + rel.lstrip("/")))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise SysfsError(rel, e.errno or errno_mod.EIO, "list") from None

@@ -248,7 +248,7 @@ class Applier:
             e = SysfsError(path, errno_mod.ECANCELED, "write")
             e.text = (f"not written {value!r} to {path}: {target.name} ({target.bdf}) may not be written now "  # type: ignore[attr-defined]
                       "(lost, not answering, not identified, the daemon is stopping, or its apply was abandoned)")
-            log.warning("gpu=%s %s", target.name, e.text)  # type: ignore[attr-defined]
+            log.warning("gpu=%s %s", target.name, e.text)  # type: ignore[attr-defined]  # pragma: no mutate
             return e
         try:
             self.root.write_text(path, value + "\n")
@@ -262,7 +262,7 @@ class Applier:
                 text += f"; kernel log: {err or 'no reason logged'}"
             e.text = text  # type: ignore[attr-defined]
             self.audit({**rec, "result": "error", "error": text})
-            log.warning("gpu=%s %s", target.name, text)
+            log.warning("gpu=%s %s", target.name, text)  # pragma: no mutate
             return e
         self.audit({**rec, "result": "ok"})
         return None
@@ -380,7 +380,7 @@ class Applier:
             errors.append("read back differs: " + ", ".join(
                 f"{k} wrote {exp} read {got if got is not None else '?'}" for k, (exp, got) in bad.items())
                 + (f" ({reading.od_error})" if reading.od_error else ""))
-            log.warning("gpu=%s attempt %d: %s", target.name, attempts, errors[-1])
+            log.warning("gpu=%s attempt %d: %s", target.name, attempts, errors[-1])  # pragma: no mutate
         msg = f"still wrong after {attempts} attempt(s): {errors[-1] if errors else 'unknown'}"
         self.audit({"action": "unverified", "who": who, "why": why, "gpu": target.name, "bdf": target.bdf,
                     "profile": plan.profile, "readback": readback, "reason": msg})

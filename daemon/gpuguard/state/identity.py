@@ -101,6 +101,7 @@ def identify(devices: Iterable[PciIdentity], entries: Sequence, known: Mapping[s
         held = {n: b for b, n in known.items() if b in cards and any(e.name == n for e in group)}
         for n, b in held.items():
             names.setdefault(b, n)
+        before = len(missing)
         for e in group:
             if e.name in held:
                 continue
@@ -113,7 +114,8 @@ def identify(devices: Iterable[PciIdentity], entries: Sequence, known: Mapping[s
             missing.append(MissingCard(e.name, f"{pci_id} #{e.match.index}", why))
         for b in cards:
             if b not in names:
-                unnamed_why[b] = missing[-1].why if missing else "not identified"
+                # this group's own reason; another group's (an address not found) says nothing here
+                unnamed_why[b] = missing[-1].why if len(missing) > before else "not identified"
     configured = sum(1 for e in entries if e.match.bdf is not None) + sum(counts.values())
     return Identity(names, tuple(missing), configured, unnamed_why)
 
