@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,9 +29,11 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "daemon"))
+sys.path.insert(0, HERE)
 
 from gpuguard.sim.runner import build_scenario  # noqa: E402
 from gpuguard.sim.tree import write_tree  # noqa: E402
+from processes import free_port, memory, wait_up  # noqa: E402
 
 FLOOR_APP = textwrap.dedent("""
     import asyncio, sys
@@ -46,34 +47,13 @@ FLOOR_APP = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def memory(pid: int) -> tuple[float, float]:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) / 1024
-    return out["VmRSS"], out["VmHWM"]
 
 
-def wait_up(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"no answer from {url}")
+
+
+
 
 
 def measure(cmd: list[str], url: str | None, settle: float, env: dict | None = None,
@@ -83,12 +63,14 @@ def measure(cmd: list[str], url: str | None, settle: float, env: dict | None = N
         if url:
             wait_up(url, p)
         time.sleep(settle)
-        rss, hwm = memory(p.pid)
+        m = memory(p.pid)
+        rss, hwm = m["VmRSS"], m["VmHWM"]
         later = None
         if after is not None:
             after()
             time.sleep(2)
-            later = memory(p.pid)
+            m = memory(p.pid)
+            later = (m["VmRSS"], m["VmHWM"])
         return rss, hwm, later
     finally:
         p.terminate()

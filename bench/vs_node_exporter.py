@@ -29,8 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,19 +38,18 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "daemon"))
+sys.path.insert(0, HERE)
 
 from gpuguard.sim.runner import build_scenario  # noqa: E402
 from gpuguard.sim.tree import write_tree  # noqa: E402
+from processes import free_port, memory, wait_up  # noqa: E402
 
 NODE_EXPORTER = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
 SCENARIO = {4: "incident", 32: "bench32"}
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def cpu_seconds(pid: int) -> float:
@@ -61,14 +58,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def memory(pid: int) -> dict[str, float]:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) / 1024
-    return out
+
 
 
 def thread_cpu(pid: int) -> dict[int, int]:
@@ -102,18 +92,7 @@ def thread_names(pid: int) -> dict[int, str]:
     return names
 
 
-def wait_up(url: str, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode} before answering {url}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{what} did not answer {url} within {timeout:.0f} s")
+
 
 
 def pct(values: list[float], q: float) -> float:

@@ -30,15 +30,20 @@ def _gauge(name: str, value: float) -> GaugeMetricFamily:
     return g
 
 
-def test_each_collector_of_a_daemon_on_the_simulated_host_reports_duration_and_success(tmp_path, monkeypatch):
+def incident_host_config(tmp_path, monkeypatch, rest: str):
+    """A daemon's config on the seeded incident host written to tmp_path; `rest` adds keys."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     write_tree(SimHost.incident(seed=0), str(tmp_path / "root"))
     (tmp_path / "kmsg").write_text("")
-    cfg = parse_config(f"""
+    return parse_config(f"""
 sysfs_root: {tmp_path / 'root'}
 state_dir: {tmp_path / 'state'}
 listen: {{address: 127.0.0.1, port: 0}}
-recorder: {{path: {tmp_path / 'state' / 'flight.sqlite'}}}
+""" + rest)
+
+
+def test_each_collector_of_a_daemon_on_the_simulated_host_reports_duration_and_success(tmp_path, monkeypatch):
+    cfg = incident_host_config(tmp_path, monkeypatch, f"""recorder: {{path: {tmp_path / 'state' / 'flight.sqlite'}}}
 kernel: {{kmsg_path: {tmp_path / 'kmsg'}, udev: false, allow_userspace: false}}
 webhooks: [{{url: "http://127.0.0.1:9/a"}}]
 power: {{psu_watts: 1600}}
@@ -202,13 +207,7 @@ def test_a_collector_that_raises_is_never_served_from_the_cache(caplog):
 def test_render_serves_the_same_text_as_client_python_over_every_family(tmp_path, monkeypatch):
     """The cached, per-collector render of a whole daemon equals generate_latest over the
     registry (which collects every family afresh), line for line but the durations."""
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    write_tree(SimHost.incident(seed=0), str(tmp_path / "root"))
-    (tmp_path / "kmsg").write_text("")
-    cfg = parse_config(f"""
-sysfs_root: {tmp_path / 'root'}
-state_dir: {tmp_path / 'state'}
-listen: {{address: 127.0.0.1, port: 0}}
+    cfg = incident_host_config(tmp_path, monkeypatch, f"""
 kernel: {{kmsg_path: {tmp_path / 'kmsg'}, udev: false}}
 power: {{sampler: false}}
 """)

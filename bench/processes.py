@@ -1,0 +1,40 @@
+"""What the side-by-side benchmarks share: a free port, waiting for a process to answer
+HTTP, and its memory from /proc."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def memory(pid: int) -> dict[str, float]:
+    """VmRSS and VmHWM (its peak) in MiB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def wait_up(url: str, proc: subprocess.Popen, what: str = "", timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what or proc.args} exited with {proc.returncode} before answering {url}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{what or proc.args} did not answer {url} within {timeout:.0f} s")
