@@ -406,3 +406,19 @@ def test_settings_from_the_engine_config():
                                        "prefill_margin": 3.0, "prefill_ceiling": 200.0})
     assert StallSettings.from_config(cfg) == StallSettings(70.0, 8.0, 6.0, 0.8, 40.0, 500.0, jitter=0.25,
                                                            prefill_margin=3.0, prefill_ceiling=200.0)
+
+
+def test_cpu_spin_is_timed_from_when_the_cpu_got_pinned_not_from_the_flat_heartbeat():
+    tr = StallTracker(StallSettings(stall_after=20.0))
+    tr.observe(O(100.0, 7, 1.0, "ready", R(0, 0, hb=1), None, 0.0))
+    tr.observe(O(200.0, 7, 1.0, "ready", R(0, 0, hb=1), None, 1.0))  # a long quiet while: heartbeat flat
+    v = tr.observe(O(210.0004, 7, 1.0, "ready", R(0, 0, hb=1), None, 11.0004))  # pinned since 200
+    assert (v.reason, v.evidence["cpu_pinned_seconds"], v.evidence["heartbeat_flat_seconds"]) == (None, 10.0, 110.0)  # to the millisecond
+    assert tr.observe(O(220.0, 7, 1.0, "ready", R(0, 0, hb=1), None, 21.0)).reason == "cpu_spin"
+
+
+def test_health_failing_seconds_to_the_millisecond():
+    tr = StallTracker(StallSettings(unhealthy_after=100.0))
+    tr.observe(O(100.0, 7, 1.0, "ready", R()))
+    tr.observe(O(101.0, 7, 1.0, "failed", R()))
+    assert tr.observe(O(103.2346, 7, 1.0, "failed", R())).evidence["health_failing_seconds"] == 2.235
