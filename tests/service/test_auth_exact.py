@@ -148,3 +148,25 @@ def test_exposure_warnings():
         "api: listening on 0.0.0.0 without api.token_file: reads need a token nobody has and every change is "
         "refused; set api.token_file or listen on 127.0.0.1",
     ]
+
+
+def test_a_file_yaml_cannot_even_read_names_no_line(tmp_path):
+    f = token_file(tmp_path, f"alice: {A}\x07\n")
+    assert refused(f) == f"api.token_file {f}: not valid YAML"
+
+
+def test_the_token_file_is_utf8_whatever_the_locale(tmp_path):
+    import locale
+    import sys
+
+    if sys.flags.utf8_mode:
+        pytest.skip("Python's UTF-8 mode ignores the locale")
+    f = token_file(tmp_path, f"# clé de l'équipe\nalice: {A}\n")
+    old = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        if locale.getpreferredencoding(False).lower() in ("utf-8", "utf8"):
+            pytest.skip("the C locale is UTF-8 here")
+        assert TokenStore.load(str(f)).names == ["alice"]
+    finally:
+        locale.setlocale(locale.LC_CTYPE, old)
