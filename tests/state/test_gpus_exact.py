@@ -402,3 +402,120 @@ def test_a_state_is_up_only_while_present():
     s = GpuState("0000:01:00.0", "1002:744c")
     assert s.up and not GpuState("0000:01:00.0", "1002:744c", presence="not_answering").up
     assert not GpuState("0000:01:00.0", "1002:744c", presence="lost").up
+
+
+# ------------------------------------------------------------------ more exact answers
+
+
+def test_a_complete_first_look_says_nothing(rig):
+    rig.g.observe(devs())
+    assert rig.said() == [] and rig.g.conditions == {}
+
+
+def test_conditions_hold_the_events_that_raised_them(rig):
+    g = started(rig)
+    g.observe(devs(X0))
+    lost, missing = [e for e in rig.events]
+    assert g.conditions == {(X0, "gpu_lost"): lost, ("host", "gpus_missing"): missing}
+    g.clear_conditions("host", ["gpus_missing"])  # cleared by hand: its end must not trip over that
+    g.observe(devs())
+    assert g.conditions == {}
+
+
+def test_back_answers_whether_it_brought_the_card_back(rig):
+    g = started(rig)
+    g.mark_lost(X0, "kernel:device_lost")
+    assert g.back(X0, "udev add") is True and g.back(X0, "udev add") is False
+
+
+def test_present_leaves_out_a_card_the_kernel_lost(rig):
+    g = started(rig)
+    g.mark_lost(X0, "kernel:device_lost")
+    assert g.on_bus(X0) and [s.bdf for s in g.present()] == [R1, R2, X1]
+
+
+def test_summary_names_every_card_down_including_an_unnamed_one_gone(rig):
+    g = rig.g
+    g.observe(devs(extra=("0000:c0:00.0",)))  # three XTX for two configured: none named
+    g.observe(devs())  # the third is gone: the pair is named, the third lost and named by nothing
+    g.not_answering(R2, "timeout")
+    assert g.summary() == "3/5 GPUs up; down: r9700-b, card0000:c0:00.0"
+
+
+def test_a_card_without_a_model_is_question_mark_and_learns_it_when_back(rig):
+    class Bare:
+        def __init__(self, bdf):
+            self.bdf, self.vendor, self.device_id = bdf, "1002", "7551"
+
+    g = rig.g
+    g.observe([Bare(R1)])
+    assert g.get(R1).model == "?"
+    g.observe([])
+    g.observe([Bare(R1)])
+    assert g.get(R1).model == "?"  # still nothing better known: kept
+    g.observe([])
+    g.observe([Dev(R1, "7551", "Radeon AI PRO R9700")])
+    assert g.get(R1).model == "Radeon AI PRO R9700"
+
+
+def test_a_card_back_elsewhere_and_a_new_card_in_the_same_look(rig):
+    g = started(rig)
+    g.configure(ENTRIES + [GpuEntry(name="spare", match={"bdf": "0000:c0:00.0"})])
+    g.observe(devs(X0))
+    rig.said(), rig.heard()
+    g.observe(devs(X0, extra=(MOVED,)) + [Dev("0000:c0:00.0", "7551", "R9700")])
+    assert rig.heard() == [("on_back", "xtx-0", f"bus (at {MOVED}, was {X0})"), ("on_new", "spare", "appeared")]
+
+
+def test_an_unnamed_card_never_carries_a_profile_even_one_named_like_it(rig):
+    g = rig.g
+    g.configure([GpuEntry(name=f"card{X1}", match={"bdf": "0000:77:00.0"}, profile="p")])
+    g.observe(devs())
+    assert (g.get(X1).name, g.get(X1).named, g.get(X1).profile) == (f"card{X1}", False, None)
+
+
+def test_a_card_that_loses_its_name_says_why(rig):
+    g = started(rig)
+    g.observe(devs())
+    g.configure(ENTRIES[:3])  # xtx-1 gone from the config: xtx-0 keeps its card (known), the other is unnamed
+    assert (g.name(X0), g.get(X0).named) == ("xtx-0", True)
+    s = g.get(X1)
+    assert (s.name, s.named, s.profile, s.profile_state, s.why_unnamed) == (
+        f"card{X1}", False, None, "none", "not identified")
+
+
+def test_swapped_indexes_in_a_reload_rename_the_cards(rig):
+    g = started(rig)
+    g.observe(devs())
+    swapped = ENTRIES[:2] + [GpuEntry(name="xtx-0", match={"pci_id": "1002:744c", "index": 1}, profile="x"),
+                             GpuEntry(name="xtx-1", match={"pci_id": "1002:744c", "index": 0}, profile="x")]
+    g.configure(swapped)
+    assert (g.name(X0), g.name(X1)) == ("xtx-1", "xtx-0")
+
+
+def test_a_reload_keeps_a_name_held_by_knowledge_not_order(rig):
+    g = started(rig)
+    g.observe(devs(X0))  # xtx-0 gone
+    g.observe(devs(X0, extra=("0000:c0:00.0",)))  # a new XTX after xtx-1: by order it would be xtx-1
+    assert (g.name(X1), g.name("0000:c0:00.0")) == ("xtx-1", "card0000:c0:00.0")
+    g.configure(ENTRIES)  # the same config again
+    assert (g.name(X1), g.name("0000:c0:00.0")) == ("xtx-1", "card0000:c0:00.0")
+
+
+def test_back_elsewhere_without_a_profile(rig):
+    g = rig.g
+    g.configure(ENTRIES[:3] + [GpuEntry(name="xtx-1", match={"pci_id": "1002:744c", "index": 1})])
+    g.observe(devs())
+    g.observe(devs(X1))
+    rig.said()
+    g.observe(devs(X1, extra=("0000:c0:00.0",)))
+    back = rig.said()[0]
+    assert back[5] == f"GPU xtx-1 is back at another address: 0000:c0:00.0 (was {X1})"
+
+
+def test_set_pending_makes_a_verified_card_pending_again(rig):
+    g = started(rig)
+    gen = g.get(X0).generation
+    g.profile_result(X0, gen, True)
+    assert g.set_pending(X0, "drift: sclk") == gen
+    assert (g.get(X0).profile_state, g.get(X0).pending_why) == ("pending", "drift: sclk")

@@ -175,7 +175,7 @@ class KernelEventRouter:
                 self._spawn(result, "on_event")
             except Exception:  # noqa: BLE001
                 self.hook_errors += 1
-                log.exception("kernel event sink failed on %s", event.kind)
+                log.exception("kernel event sink failed on %s", event.kind)  # pragma: no mutate
 
     def _emit(self, event: Event, clears: Iterable[str]) -> None:
         if event.alert_grade and event.kind in self.policy and "alert" not in self.policy[event.kind]:
@@ -191,7 +191,7 @@ class KernelEventRouter:
                     self._call("on_alert", event)
             elif action == "mark_lost":
                 if bdf is None:
-                    log.warning("%s names no GPU; cannot mark one lost: %s", event.kind, event.message)
+                    log.warning("%s names no GPU; cannot mark one lost: %s", event.kind, event.message)  # pragma: no mutate
                 elif not self.states.is_lost(bdf):
                     self._cancel_recover(bdf)
                     # a udev remove is already a `gpu_lost` event: one alert per loss
@@ -203,7 +203,7 @@ class KernelEventRouter:
                     self._call("on_gpu_fatal", bdf, event.kind)
             elif action == "recover":
                 if bdf is None:
-                    log.warning("%s names no GPU; nothing to recover: %s", event.kind, event.message)
+                    log.warning("%s names no GPU; nothing to recover: %s", event.kind, event.message)  # pragma: no mutate
                 else:
                     self._schedule_recover(bdf)
 
@@ -253,7 +253,7 @@ class KernelEventRouter:
             self._spawn(method(*args), name)
         except Exception:  # noqa: BLE001 - a failing hook must not stop event handling
             self.hook_errors += 1
-            log.exception("kernel event hook %s%r failed", name, args)
+            log.exception("kernel event hook %s%r failed", name, args)  # pragma: no mutate
 
     def _spawn(self, result: object, name: str) -> None:
         if not asyncio.iscoroutine(result) and not isinstance(result, asyncio.Future):
@@ -265,7 +265,7 @@ class KernelEventRouter:
             self._tasks.discard(t)
             if not t.cancelled() and t.exception() is not None:
                 self.hook_errors += 1
-                log.error("kernel event hook %s failed: %r", name, t.exception())
+                log.error("kernel event hook %s failed: %r", name, t.exception())  # pragma: no mutate
 
         task.add_done_callback(done)
 
@@ -275,11 +275,11 @@ class KernelEventRouter:
             try:
                 self.handle_record(record)
             except Exception:  # noqa: BLE001 - one bad record must not stop the reader
-                log.exception("kernel record %d could not be handled", record.seq)
+                log.exception("kernel record %d could not be handled", record.seq)  # pragma: no mutate
 
     async def run_udev(self, monitor: UdevMonitor) -> None:
         async for dev in monitor.events():
             try:
                 self.handle_device(dev)
             except Exception:  # noqa: BLE001
-                log.exception("udev event %s %s could not be handled", dev.action, dev.sys_path)
+                log.exception("udev event %s %s could not be handled", dev.action, dev.sys_path)  # pragma: no mutate

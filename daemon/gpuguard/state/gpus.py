@@ -259,8 +259,8 @@ class GpuStates:
             self._gpus[bdf] = replace(s, name=name, named=named, profile=profile, profile_state=pstate,
                                       generation=s.generation + 1, why_unnamed=ident.unnamed_why.get(bdf),
                                       pending_why=why)
-            if s.named or named:
-                log.info("gpu bdf=%s identity %s → %s%s", bdf, s.name, name, "" if named else " (unnamed)")
+            if s.named or named:  # pragma: no mutate
+                log.info("gpu bdf=%s identity %s → %s%s", bdf, s.name, name, "" if named else " (unnamed)")  # pragma: no mutate
 
     def _say_missing(self) -> None:
         labels = tuple(m.label() for m in self.identity.missing)
@@ -327,7 +327,7 @@ class GpuStates:
         s = replace(s, generation=max(s.generation, old.generation + 1),
                     pending_why=f"GPU back at another address ({how}): stock settings")
         self._gpus[s.bdf] = s
-        log.info("gpu %s back at another address %s (was %s)", s.name, s.bdf, old.bdf)
+        log.info("gpu %s back at another address %s (was %s)", s.name, s.bdf, old.bdf)  # pragma: no mutate
         self._event("gpu_back", "info", f"GPU {s.name} is back at another address: {s.bdf} (was {old.bdf})"
                     + ("; its profile is re-applied" if s.profile else ""), s,
                     fields={"how": "bus", "previous_bdf": old.bdf, "was_lost": old.presence == LOST})
@@ -420,7 +420,7 @@ class GpuStates:
             try:
                 fn(s, how)
             except Exception:  # one broken listener must not stop the others
-                log.exception("gpu state listener %s failed", getattr(fn, "__qualname__", fn))
+                log.exception("gpu state listener %s failed", getattr(fn, "__qualname__", fn))  # pragma: no mutate
 
     def metrics_rows(self) -> list[tuple[str, str]]:
         return [(m.name, m.match) for m in self.identity.missing]

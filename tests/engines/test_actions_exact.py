@@ -1,0 +1,148 @@
+"""The watchdog's kill and restart commands on real processes this test starts (real
+signals, real exits): exactly which PIDs get which signal in which order, when SIGKILL is
+needed, what is reported, and what a restart command returns — its output, exit code,
+a missing program, a timeout. bench/mutation.sh found these results unobserved."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
+
+
+def spawn(code: str) -> subprocess.Popen:
+    """A Python child that prints `ready` once its signal handling is set up."""
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+IGNORES_TERM = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+SLEEPS = "import time; print('ready', flush=True); time.sleep(60)"
+
+
+@pytest.fixture
+def started():
+    procs: list[subprocess.Popen] = []
+
+    def start(code: str = SLEEPS) -> subprocess.Popen:
+        p = spawn(code)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(5)
+
+
+def test_restart_argv():
+    assert restart_argv(None, ["/usr/bin/engine", "--port", "1"]) == ["/usr/bin/engine", "--port", "1"]
+    assert restart_argv("vllm.service", ["/bin/x"]) == ["/bin/x"]  # a command wins over the unit
+    assert restart_argv("vllm.service", None) == ["systemctl", "restart", "vllm.service"]
+    assert restart_argv(None, None) is None and restart_argv(None, []) is None
+
+
+def test_a_command_result_with_its_output_and_exit_code():
+    t0 = time.monotonic()
+    r = asyncio.run(run_command(["sh", "-c", "echo out; echo err >&2; exit 3"]))
+    took = time.monotonic() - t0
+    assert (r.argv, r.returncode, r.output) == (("sh", "-c", "echo out; echo err >&2; exit 3"), 3, "out\nerr\n")
+    assert 0 <= r.seconds <= took
+
+
+def test_a_command_result_as_a_record_keeps_the_last_500_characters():
+    r = CommandResult(("x",), 0, "a" * 100 + "b" * 500, 1.23456)
+    assert r.to_dict() == {"argv": ["x"], "returncode": 0, "output": "b" * 500, "seconds": 1.235}
+
+
+def test_output_that_is_not_utf8_is_kept_readable():
+    r = asyncio.run(run_command(["sh", "-c", r"printf 'ok\377\n'"]))
+    assert r.output == "ok\ufffd\n"
+
+
+def test_a_missing_program():
+    t0 = time.monotonic()
+    r = asyncio.run(run_command(["/nonexistent/restart-engine", "now"]))
+    assert (r.argv, r.returncode, r.output) == (("/nonexistent/restart-engine", "now"), None,
+                                                "/nonexistent/restart-engine: not found")
+    assert 0 <= r.seconds <= time.monotonic() - t0
+
+
+def test_a_command_that_hangs_is_killed_at_its_timeout(tmp_path):
+    pidfile = tmp_path / "pid"
+    t0 = time.monotonic()
+    r = asyncio.run(run_command(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 30"], timeout=0.3))
+    assert (r.returncode, r.output) == (None, "timed out after 0.3 s")
+    assert r.argv == ("sh", "-c", f"echo $$ > {pidfile}; exec sleep 30")
+    assert 0.3 <= r.seconds <= time.monotonic() - t0
+    assert not psutil.pid_exists(int(pidfile.read_text())) or \
+        psutil.Process(int(pidfile.read_text())).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_default_command_timeout_is_a_minute():
+    import inspect
+
+    assert inspect.signature(run_command).parameters["timeout"].default == 60.0
+
+
+def test_kill_result_record():
+    k = KillResult((4, 5), "/sys/fs/cgroup/x.scope", ("SIGTERM pid 4",), True, False, (5,), 0.12345)
+    assert k.to_dict() == {"pids": [4, 5], "cgroup": "/sys/fs/cgroup/x.scope", "signals": ["SIGTERM pid 4"],
+                           "escalated": True, "gone": False, "survivors": [5], "seconds": 0.123}
+
+
+def test_sigterm_is_enough_for_a_process_that_takes_it(started):
+    p = started()
+    t0 = time.monotonic()
+    res = asyncio.run(kill_engine((p.pid,), grace=5.0))
+    assert res == KillResult((p.pid,), None, (f"SIGTERM pid {p.pid}",), False, True, (), res.seconds)
+    assert 0 < res.seconds < time.monotonic() - t0 + 0.001 and res.seconds < 4.0
+    p.wait(5)  # reaped by the kill (our own child): gone
+
+
+def test_sigkill_after_the_grace_for_one_that_ignores_sigterm(started):
+    p = started(IGNORES_TERM)
+    res = asyncio.run(kill_engine((p.pid,), grace=0.3))
+    assert (res.pids, res.signals, res.escalated, res.gone, res.survivors) == (
+        (p.pid,), (f"SIGTERM pid {p.pid}", f"SIGKILL pid {p.pid}"), True, True, ())
+    assert 0.3 <= res.seconds < 4.0
+    p.wait(5)
+
+
+def test_a_stopped_process_gets_sigkill(started):
+    p = started()
+    os.kill(p.pid, signal.SIGSTOP)
+    res = asyncio.run(kill_engine((p.pid,), grace=0.2))
+    assert (res.signals, res.escalated, res.gone) == ((f"SIGTERM pid {p.pid}", f"SIGKILL pid {p.pid}"), True, True)
+
+
+def test_the_whole_tree_in_pid_order_and_never_ourselves(started):
+    parent = started("import subprocess, sys, time\n"
+                     "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(2)]\n"
+                     "print('ready', flush=True)\n"
+                     "time.sleep(60)")
+    kids = sorted(c.pid for c in psutil.Process(parent.pid).children())
+    assert len(kids) == 2
+    res = asyncio.run(kill_engine((parent.pid, os.getpid()), grace=5.0))
+    everyone = tuple(sorted([parent.pid, *kids]))
+    assert res.pids == everyone and os.getpid() not in res.pids
+    assert res.signals == tuple(f"SIGTERM pid {p}" for p in everyone)
+    assert (res.escalated, res.gone, res.survivors) == (False, True, ())
+
+
+def test_a_pid_already_gone_is_not_signalled(started):
+    p = started()
+    p.kill()
+    p.wait(5)
+    res = asyncio.run(kill_engine((p.pid,), grace=0.2))
+    assert (res.signals, res.gone, res.escalated) == ((), True, False)
+
