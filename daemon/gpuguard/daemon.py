@@ -21,10 +21,10 @@ import uvicorn
 
 from gpuguard.config import Config, ConfigError, load_config
 from gpuguard.config.reload import LIVE_SECTIONS, ReloadPlan, plan_reload
+from gpuguard.document import document
 from gpuguard.engines.api import EngineActions
 from gpuguard.engines.metrics import engine_metrics
 from gpuguard.engines.watchdog import EngineWatchdog
-from gpuguard.hw.pcie import PcieCollector
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sources import default_sources
 from gpuguard.hw.sysfs import SysfsRoot
@@ -41,6 +41,7 @@ from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app, summary_line
 from gpuguard.sinks.metrics import MetricsSink
 from gpuguard.sinks.page import mount_page
+from gpuguard.sinks.pcie_metrics import PcieCollector
 from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.sinks.reload_marker import ReloadMarker
 # -- service layer: auth, audit, webhooks, sd_notify --
@@ -307,7 +308,7 @@ class Daemon:
         report = self.hub.view("pcie")
         if report is None:
             return None
-        return {**report.to_dict(), "findings": [f.to_dict() for f in self.hub.view("pcie_findings", ())]}
+        return {**document(report), "findings": [f.to_dict() for f in self.hub.view("pcie_findings", ())]}
 
     def config_view(self) -> dict[str, Any]:
         """The effective config for GET /v1/config (webhook URLs redacted: they carry secrets)."""

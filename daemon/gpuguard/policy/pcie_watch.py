@@ -13,7 +13,8 @@ import logging
 import time
 from typing import Callable, Iterable, Mapping
 
-from gpuguard.hw.pcie import PcieReport, walk
+from gpuguard.hw.pcie import walk
+from gpuguard.hw.pcie_model import PcieReport
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.policy.conditions import Conditions
