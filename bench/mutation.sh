@@ -37,8 +37,8 @@ engines/actions.py | *  | tests/engines/test_actions_exact.py tests/engines/test
 engines/process.py | *  | tests/engines/test_process_exact.py tests/engines/test_config_and_process.py tests/engines/test_exact_kill_and_restart.py
 kernel/rules.py    | *  | tests/kernel --ignore=tests/kernel/test_cli_events.py --ignore=tests/kernel/test_alert_flood.py
 kernel/router.py   | *  | tests/kernel --ignore=tests/kernel/test_cli_events.py --ignore=tests/kernel/test_alert_flood.py tests/state/test_gpus.py
-sinks/auth.py      | *  | tests/service/test_auth_exact.py tests/service/test_auth.py tests/service/test_api.py
-sinks/audit.py     | *  | tests/service/test_audit_exact.py tests/service/test_service_config_and_audit.py tests/service/test_api.py
+control/auth.py    | *  | tests/service/test_auth_exact.py tests/service/test_auth.py tests/service/test_api.py
+state/audit.py     | *  | tests/service/test_audit_exact.py tests/service/test_service_config_and_audit.py tests/service/test_api.py
 hw/pcie_p2p.py     | *  | tests/pcie --ignore=tests/pcie/test_cli.py
 hw/pcie.py         | encoding_efficiency link_bytes_per_second PcieLink.downgraded PcieLink.bytes_per_second PcieLink.capable_bytes_per_second PcieLink.counts GpuPath.root_port GpuPath.narrowest_hop GpuPath.narrowest_link GpuPath.bottleneck_bytes_per_second GpuPath.slot GpuPath.speed_drop_is_real GpuPath.large_bar GpuPath.large_bar_note GpuPair.* _link _root_bus_link _gpu_path _pair parse_resource kernel_vram | tests/pcie --ignore=tests/pcie/test_cli.py
 '

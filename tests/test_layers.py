@@ -36,6 +36,7 @@ DAEMON = REPO / "daemon"
 LAYERS = {
     "gpuguard": "base",
     "gpuguard.logsetup": "base",
+    "gpuguard.document": "base",  # one serialiser of frozen values, stdlib only
     "gpuguard.state": "state",
     "gpuguard.hw": "hw",
     "gpuguard.kernel": "source",

@@ -25,9 +25,9 @@ from gpuguard.config.reload import LIVE_SECTIONS, ReloadPlan, plan_reload
 from gpuguard.control.actions import Actions
 from gpuguard.control.auth import AccessPolicy, TokenFileError, TokenStore, exposure_warnings
 from gpuguard.control.engine_actions import EngineActions
+from gpuguard.document import document
 from gpuguard.engines.metrics import engine_metrics
 from gpuguard.engines.watchdog import EngineWatchdog
-from gpuguard.hw.pcie import PcieCollector
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sources import default_sources
 from gpuguard.hw.sysfs import SysfsRoot
@@ -46,6 +46,7 @@ from gpuguard.sinks.api import build_app
 from gpuguard.sinks.metrics import MetricsSink, same_objects
 from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.page import mount_page
+from gpuguard.sinks.pcie_metrics import PcieCollector
 from gpuguard.sinks.recorder import FlightRecorder
 from gpuguard.sinks.reload_marker import ReloadMarker
 from gpuguard.sinks.status import summary_line
@@ -340,7 +341,7 @@ class Daemon:
         report = self.hub.view("pcie")
         if report is None:
             return None
-        return {**report.to_dict(), "findings": [f.to_dict() for f in self.hub.view("pcie_findings", ())]}
+        return {**document(report), "findings": [f.to_dict() for f in self.hub.view("pcie_findings", ())]}
 
     def config_view(self) -> dict[str, Any]:
         """The effective config for GET /v1/config (webhook URLs redacted: they carry secrets)."""

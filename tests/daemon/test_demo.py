@@ -97,3 +97,64 @@ def test_demo_serves_telemetry_in_base_units_and_stops_on_ctrl_c(tmp_path, wait_
     assert "HTTP Request:" not in out  # no per-request log lines
     wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                              for p in engine_pids), timeout=10, what="the demo engine to stop with the demo")
+
+
+def _engine_tree(demo_pid: int) -> dict[int, str]:
+    """The demo's simulated engine processes: the restart stand-in and what it started."""
+    out = {}
+    try:
+        procs = psutil.Process(demo_pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "gpuguard.sim.engines" in cmd:
+            out[p.pid] = cmd
+    return out
+
+
+def _alive(pids) -> list[int]:
+    left = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def test_ctrl_c_while_the_demo_starts_stops_its_engine_too(tmp_path, wait_for):
+    """The engine starts before the daemon, and on a loaded machine the daemon takes seconds
+    to get going: a Ctrl-C in that time stops the demo as cleanly as later, engine included
+    (it runs in sessions of its own, out of the terminal's reach)."""
+    proc = subprocess.Popen([sys.executable, "-m", "gpuguard", "demo", "--tree", "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    seen: dict[int, str] = {}
+    try:
+        seen.update(wait_for(lambda: _engine_tree(proc.pid), timeout=60, interval=0.005,
+                             what="the demo's engine supervisor"))
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C, before the daemon is up
+        out, _ = proc.communicate(timeout=30)
+    assert "ready:" not in out, "the Ctrl-C came after the start: " + out
+    wait_for(lambda: not _alive(seen), timeout=10, what=f"the engine {seen} to stop with the demo")
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "gpuguard demo: stopped" in out, out
+
+
+def test_the_demo_killed_outright_takes_its_engine_with_it(tmp_path, wait_for):
+    """No cleanup runs after SIGKILL: the engine's supervisor notices its parent is gone."""
+    proc = subprocess.Popen([sys.executable, "-m", "gpuguard", "demo", "--tree", "--dir", str(tmp_path / "demo"),
+                             "--port", str(free_port())],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        engine = wait_for(lambda: (t := _engine_tree(proc.pid)) and any("--core" in c for c in t.values()) and t,
+                          timeout=60, what="the demo's engine and its core")
+    finally:
+        proc.kill()
+        proc.wait(10)
+    wait_for(lambda: not _alive(engine), timeout=10, what=f"the engine {engine} to stop with the demo")

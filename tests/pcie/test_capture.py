@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard.document import document
 from gpuguard.hw.pcie import walk
 from gpuguard.hw.pcie_capture import MAGIC, CaptureError, capture, capture_lines, parse_capture, replay
 from gpuguard.hw.pcie_config import parse_config
@@ -32,7 +33,7 @@ def test_round_trip_of_the_incident_host_walks_identically(incident, tmp_path):
     dest = tmp_path / "replayed"
     assert replay(str(out), str(dest)) == []
     busy = {b: True for b in XTX}
-    assert walk(SysfsRoot(str(dest)), busy).to_dict() == walk(src, busy).to_dict()
+    assert document(walk(SysfsRoot(str(dest)), busy)) == document(walk(src, busy))
     # Capturing the replayed tree gives the same archive (the format is stable to diff).
     again, _ = capture_lines(SysfsRoot(str(dest)))
     first = out.read_text().splitlines()
@@ -120,7 +121,7 @@ def test_real_capture_replays_and_walks(path, tmp_path):
         assert g.root_complex.startswith("pci")
     for p in rep.pairs:
         assert p.meet in ("switch", "root_port", "host_bridge") and p.verdict
-    doc = json.loads(json.dumps(rep.to_dict()))
+    doc = json.loads(json.dumps(document(rep)))
     # Every device of the capture parses on its own too, links or not.
     every = walk(root, select=lambda *_: True)
     assert every.gpus, "a capture holds at least one PCI function"

@@ -116,7 +116,7 @@ def test_kernel_p2p_refusal_is_reported(incident):
 
 
 def test_no_gpu_is_a_warning():
-    from gpuguard.hw.pcie import PcieReport
+    from gpuguard.hw.pcie_model import PcieReport
 
     fs = diagnose(SysfsRoot("/nonexistent"), PcieReport((), (), {}))
     assert exit_status(fs) == 1 and "no GPU found" in fs[0].what

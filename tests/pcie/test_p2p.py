@@ -3,10 +3,11 @@ peer into a card's VRAM only when that card's BAR covers all of it, and p2pdma a
 path (common upstream bridge, or a host bridge on its list / an AMD Zen CPU)."""
 from __future__ import annotations
 
-from gpuguard.hw.pcie import samples, walk
+from gpuguard.hw.pcie import walk
 from gpuguard.hw.pcie_p2p import parse_cpuinfo, refusals
 from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.policy.doctor import diagnose
+from gpuguard.sinks.pcie_metrics import samples
 
 from pcie.conftest import GIB, MIB, PciTree, amd_gpu_files
 

@@ -5,16 +5,12 @@ import os
 
 import pytest
 
-from gpuguard.hw.pcie import (
-    link_bytes_per_second,
-    parse_aer,
-    parse_dpm_pcie,
-    parse_link_speed,
-    parse_resource,
-    samples,
-    walk,
-)
+from gpuguard.document import document
+from gpuguard.hw.pcie import parse_aer, parse_dpm_pcie, parse_link_speed, parse_resource, walk
+from gpuguard.hw.pcie_model import DpmPcieLevel, KernelVram
+from gpuguard.hw.pcie_verdict import link_bytes_per_second
 from gpuguard.hw.sysfs import SysfsRoot
+from gpuguard.sinks.pcie_metrics import samples
 
 XTX = ("0000:aa:00.0", "0000:b0:00.0")
 R9700 = ("0000:05:00.0", "0000:08:00.0")
@@ -144,13 +140,13 @@ def test_kernel_detected_vram_line_when_mem_info_is_missing(incident):
     lines = ["[    4.1] amdgpu 0000:aa:00.0: amdgpu: Detected VRAM RAM=24560M, BAR=256M",
              "[    4.2] amdgpu 0000:05:00.0: amdgpu: Detected VRAM RAM=32624M, BAR=32768M"]
     rep = report_of(incident, kernel_lines=lines)
-    assert rep.gpu(XTX[0]).kernel_vram_mib == (24560, 256)
+    assert rep.gpu(XTX[0]).kernel_vram == KernelVram(24560, 256)
     assert rep.gpu(XTX[0]).large_bar is False
     assert "BAR=256M" in rep.gpu(XTX[0]).large_bar_note
     # No kernel figure for the other: VRAM size against its largest BAR.
     assert rep.gpu(XTX[1]).large_bar is False
     assert rep.gpu(XTX[1]).large_bar_note == "large BAR not active: BAR0 256 MiB for 24 GiB VRAM"
-    assert rep.gpu(R9700[0]).kernel_vram_mib == (32624, 32768)
+    assert rep.gpu(R9700[0]).kernel_vram == KernelVram(32624, 32768)
 
 
 def test_atomics_read_from_the_root_port_config_space(build_incident):
@@ -204,7 +200,7 @@ def test_missing_and_unknown_attributes_are_unknown_never_zero(incident):
     # The slot hop of the first XTX: the switch end still says 5 GT/s.
     xtx = rep.gpu(XTX[0])
     assert xtx.narrowest_link.current_speed_gts == 5.0
-    d = rep.to_dict()
+    d = document(rep)
     assert d["gpus"][0]["hops"][-1]["current_speed_gts"] is None
 
 
@@ -258,9 +254,9 @@ def test_resource_and_dpm_parsers():
     assert bars[0].size_bytes == 256 << 20
     with pytest.raises(ValueError, match="resource line 0"):
         parse_resource("0x1 0x2\n")
-    assert parse_dpm_pcie("0: 2.5GT/s, x1 78Mhz \n1: 16.0GT/s, x16 623Mhz *\n") == (16.0, 16)
+    assert parse_dpm_pcie("0: 2.5GT/s, x1 78Mhz \n1: 16.0GT/s, x16 623Mhz *\n") == DpmPcieLevel(16.0, 16)
     # RDNA3 stars several levels at once: the fastest counts.
-    assert parse_dpm_pcie("0: 16.0GT/s, x16 78Mhz *\n1: 16.0GT/s, x16 156Mhz *\n") == (16.0, 16)
+    assert parse_dpm_pcie("0: 16.0GT/s, x16 78Mhz *\n1: 16.0GT/s, x16 156Mhz *\n") == DpmPcieLevel(16.0, 16)
     assert parse_dpm_pcie("") is None
 
 
@@ -286,7 +282,7 @@ def test_collector_exposition_parses(incident):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from gpuguard.hw.pcie import PcieCollector
+    from gpuguard.sinks.pcie_metrics import PcieCollector
 
     rep = report_of(incident)
     reg = CollectorRegistry()
@@ -345,13 +341,13 @@ def test_garbage_in_every_attribute_is_never_a_crash(incident, garbage):
     xtx = every.gpu(XTX[0])
     assert xtx.root_port_atomics is None and "EISDIR" in xtx.root_port_atomics_note
     diagnose(root, every)
-    json_ok = every.to_dict()
+    json_ok = document(every)
     assert json_ok["gpus"]
 
 
 def test_json_schema_keys_are_stable(incident):
-    """The documented schema (module docstring of gpuguard.hw.pcie): scripts depend on it."""
-    d = report_of(incident).to_dict()
+    """The published schema (docs/pcie.schema.json): scripts depend on these keys."""
+    d = document(report_of(incident))
     assert set(d) == {"schema", "gpus", "pairs", "host_bridges", "nvswitches", "problems"}
     assert set(d["gpus"][0]) == {
         "bdf", "vendor", "device", "class", "driver", "numa_node", "busy", "root_complex", "root_port",
@@ -379,9 +375,9 @@ def test_kernel_vram_lines_are_attributed_by_the_one_address_finder():
 
     lines = ["amdgpu 10000:e1:00.0: amdgpu: Detected VRAM RAM=24560M, BAR=256M",
              "amdgpu 0000:05:00.0: amdgpu: Detected VRAM RAM=32624M, BAR=32768M"]
-    assert kernel_vram(lines, ["10000:e1:00.0", "0000:aa:00.0"]) == {"10000:e1:00.0": (24560, 256)}
+    assert kernel_vram(lines, ["10000:e1:00.0", "0000:aa:00.0"]) == {"10000:e1:00.0": KernelVram(24560, 256)}
     # A line without an address is amdgpu's own only when one AMD GPU exists.
-    assert kernel_vram(["[drm] Detected VRAM RAM=24560M, BAR=256M"], ["0000:aa:00.0"]) == {"0000:aa:00.0": (24560, 256)}
+    assert kernel_vram(["[drm] Detected VRAM RAM=24560M, BAR=256M"], ["0000:aa:00.0"]) == {"0000:aa:00.0": KernelVram(24560, 256)}
     assert kernel_vram(["[drm] Detected VRAM RAM=24560M, BAR=256M"], ["0000:aa:00.0", "0000:b0:00.0"]) == {}
 
 

@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 import pytest
 
-from gpuguard.sinks.audit import AUDIT_FILE, AuditLog, AuditUnavailable, jsonable
+from gpuguard.state.audit import AUDIT_FILE, AuditLog, AuditUnavailable, jsonable
 
 
 class Health:

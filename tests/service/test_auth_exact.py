@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from gpuguard.sinks.auth import (
+from gpuguard.control.auth import (
     AccessPolicy,
     Caller,
     TokenFileError,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import shutil
@@ -57,7 +58,13 @@ def _free(host: str, port: int) -> bool:
 class DemoEngine:
     """A simulated vLLM (real HTTP server + EngineCore child process) on the XTX pair,
     under a stand-in for systemd's Restart=always, kept busy with requests. Stall it
-    (`curl -X POST URL/sim/stall`) and watch the watchdog alert, kill and see it return."""
+    (`curl -X POST URL/sim/stall`) and watch the watchdog alert, kill and see it return.
+
+    The engine runs in sessions of its own (as a unit's cgroup), so neither a terminal's
+    Ctrl-C nor the demo's own end reaches it: `stop()` does, and, should the demo end
+    without it (killed, or interrupted before it could stop anything), the supervisor
+    stops by itself when the demo is gone (`--parent`: the kernel's parent-death signal,
+    armed from the main thread, which lives as long as the demo)."""
 
     def __init__(self, port: int | None = None) -> None:
         import subprocess
@@ -70,7 +77,8 @@ class DemoEngine:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "gpuguard.sim.engines", "--kind", "vllm", "--port", str(self.port), "--slots", "8"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuguard.sim.engines_restart", "--restart-sec", "2", "--", *cmd],
+            [sys.executable, "-m", "gpuguard.sim.engines_restart", "--restart-sec", "2", "--parent", str(os.getpid()),
+             "--", *cmd],
             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
 
@@ -150,7 +158,7 @@ class DemoLoad:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from gpuguard.config import ConfigError, load_config, parse_config
-    from gpuguard.sim.runner import SimRunner, build_scenario
+    from gpuguard.sim.runner import build_scenario
 
     try:
         host = build_scenario(args.scenario)
@@ -174,7 +182,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(e.render(), file=sys.stderr)
         return 2
 
-    workdir = args.dir or tempfile.mkdtemp(prefix="gpuguard-demo-")
+    # Whatever the demo has started is stopped, in reverse order, however the demo ends:
+    # Ctrl-C while it starts (many seconds on a loaded machine, before the daemon handles
+    # the signal), while it runs, or during the stop itself. The engine's supervisor also
+    # stops by itself once the demo process is gone (DemoEngine).
+    with contextlib.ExitStack() as started:
+        started.callback(print, "gpuguard demo: stopped", flush=True)
+        workdir = args.dir or tempfile.mkdtemp(prefix="gpuguard-demo-")
+        if args.dir is None:
+            started.callback(shutil.rmtree, workdir, ignore_errors=True)
+        try:
+            return _serve(args, host, config, workdir, started)
+        except KeyboardInterrupt:
+            return 0  # Ctrl-C before the daemon took over the signal: the same clean stop
+
+
+def _serve(args: argparse.Namespace, host, config, workdir: str, started: contextlib.ExitStack) -> int:
+    """Start the simulated host, its engine and the daemon, each registered on `started`
+    (stopped last-first) the moment it runs; return the daemon's exit status."""
+    from gpuguard.sim.runner import SimRunner
+
     root = os.path.join(workdir, "root")
     state = os.path.join(workdir, "state")
     os.makedirs(root, exist_ok=True)
@@ -182,7 +209,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     load = DemoLoad(host)
     load()
-    mount = None
+    mounted = False
     if not args.tree:
         try:
             from gpuguard.sim.fuse import fuse_available, mount as fuse_mount
@@ -199,14 +226,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   "(a plain directory has no driver to commit OD writes)", file=sys.stderr)
         else:
             try:
-                mount = fuse_mount(host, root)
-                mount.__enter__()
+                started.enter_context(fuse_mount(host, root))
+                mounted = True
             except (RuntimeError, OSError) as e:
-                mount = None
                 print(f"gpuguard demo: FUSE mount failed ({e}); serving a plain tree, without profiles", file=sys.stderr)
-    if mount is None and any(g.profile for g in config.gpus):
+    if not mounted and any(g.profile for g in config.gpus):
         config = config.model_copy(update={"gpus": [g.model_copy(update={"profile": None}) for g in config.gpus]})
-    if mount is None:
+    if not mounted:
         from gpuguard.sim.tree import write_tree
 
         writer = write_tree(host, root)
@@ -219,6 +245,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from gpuguard.engines.config import EngineConfig
 
         engine = DemoEngine(args.engine_port)
+        started.callback(engine.stop)
         config = config.model_copy(update={"engines": [EngineConfig.model_validate(engine.config())]})
         feed, step = engine.feed, runner.on_step
         runner.on_step = lambda: (step(), feed())
@@ -226,7 +253,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # The simulated kernel log reaches the daemon as kernel records through a FIFO standing
     # in for /dev/kmsg (sim/kmsg_pipe.py): kernel-triggered actions work without root, and
     # the machine's real kernel log stays out of the demo.
-    kpipe = None
     if not args.real_kernel and config.kernel.enabled:
         from gpuguard.sim.kmsg_pipe import KmsgPipe
 
@@ -235,6 +261,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if os.path.exists(position):
             os.unlink(position)  # a new simulated boot: its sequence numbers start over
         kpipe = KmsgPipe(host.kernel_log, fifo).start()
+        started.callback(kpipe.stop)
         config = config.model_copy(update={"kernel": config.kernel.model_copy(
             update={"kmsg_path": fifo, "udev": False, "state_file": position})})
 
@@ -255,6 +282,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ops["engine"] = engine.command
     try:
         control = ControlServer(host, control_path, ops).start()
+        started.callback(control.stop)
     except OSError as e:
         print(f"gpuguard demo: cannot serve the control socket {control_path}: {e.strerror}; "
               "`gpuguard sim` will not reach this demo (use --control PATH)", file=sys.stderr)
@@ -337,18 +365,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return await daemon.run()
 
     runner.start()
-    try:
-        return asyncio.run(main())
-    finally:
-        runner.stop()
-        if control is not None:
-            control.stop()
-        if kpipe is not None:
-            kpipe.stop()
-        if engine is not None:
-            engine.stop()
-        if mount is not None:
-            mount.__exit__(None, None, None)
-        if args.dir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-        print("gpuguard demo: stopped", flush=True)
+    started.callback(runner.stop)
+    return asyncio.run(main())

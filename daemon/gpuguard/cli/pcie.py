@@ -1,6 +1,6 @@
 """`gpuguard pcie`: each GPU's PCIe path drawn as a tree (root port at the top, the GPU at
 the bottom, the narrowest and downgraded hops marked), then the GPU-pair table, BARs and
-root-port AtomicOps; `--json` prints `PcieReport.to_dict()` (schema in gpuguard.hw.pcie);
+root-port AtomicOps; `--json` prints the report's document (schema: docs/pcie.schema.json);
 `--capture FILE` writes the plain-text capture of this host's PCI tree
 (gpuguard.hw.pcie_capture) instead; `--replay FILE` reads a capture instead of the host."""
 from __future__ import annotations
@@ -11,7 +11,9 @@ import sys
 import tempfile
 from typing import TextIO
 
-from gpuguard.hw.pcie import GpuPath, PcieHop, PcieReport, format_gbps, format_speed, walk
+from gpuguard.document import document
+from gpuguard.hw.pcie import walk
+from gpuguard.hw.pcie_model import GpuPath, PcieHop, PcieReport, format_gbps, format_speed
 from gpuguard.hw.pcie_capture import CaptureError, capture, replay
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
@@ -130,7 +132,7 @@ def run(args) -> int:
         return 1
     try:
         if args.json:
-            json.dump(report.to_dict(), sys.stdout, indent=2)
+            json.dump(document(report), sys.stdout, indent=2)
             print()
         else:
             render(report, sys.stdout)

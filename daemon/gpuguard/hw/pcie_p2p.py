@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, ClassVar, Iterable, Mapping
 
 from gpuguard.hw.pci_address import BDF_PATTERN
+from gpuguard.hw.pcie_verdict import size_text
 
 if TYPE_CHECKING:
-    from gpuguard.hw.pcie import GpuPath
+    from gpuguard.hw.pcie_model import GpuPath
 
 # drivers/pci/p2pdma.c pci_p2pdma_whitelist: vendor:device -> needs the same host bridge.
 P2PDMA_WHITELIST = {
@@ -96,8 +97,7 @@ class PeerDirection:
     possible: bool | None  # None: this host does not say
     reason: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"from": self.reader, "to": self.owner, "possible": self.possible, "reason": self.reason}
+    DOCUMENT: ClassVar = (("from", "reader"), ("to", "owner"), "possible", "reason")
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,6 @@ class PathRule:
     allowed: bool | None
     reason: str
     via_host_bridge: bool = True
-
-
-def _size(n: int) -> str:
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.1f} GiB".replace(".0 ", " ")
-    return f"{n / (1 << 20):.0f} MiB"
 
 
 def path_rule(a: "GpuPath", b: "GpuPath", host_bridges: Mapping[str, str | None], cpu: Cpu) -> PathRule:
@@ -157,7 +151,7 @@ def _bar_rule(owner: "GpuPath") -> tuple[bool | None, str]:
     if lb is None:
         return None, f"{owner.bdf}: {owner.large_bar_note}"
     if owner.vram_bytes and owner.vram_visible_bytes is not None:
-        seen = f"{_size(owner.vram_visible_bytes)} of {_size(owner.vram_bytes)}"
+        seen = f"{size_text(owner.vram_visible_bytes)} of {size_text(owner.vram_bytes)}"
     else:
         seen = owner.large_bar_note
     # amdgpu_device_is_peer_accessible: peers only into a device whose BAR covers all VRAM.

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from gpuguard.hw.pcie import (
-    GpuPath,
-    PcieReport,
-    format_gbps,
-    format_speed,
-    short_bdf,
-)
-from gpuguard.hw.pci_address import is_canonical
+from gpuguard.hw.pci_address import is_canonical, short_bdf
+from gpuguard.hw.pcie_model import GpuPath, PcieReport, format_gbps, format_speed
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 from gpuguard.state.events import Event
 

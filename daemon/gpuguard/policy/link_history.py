@@ -11,7 +11,7 @@ import os
 import time
 from typing import Mapping
 
-from gpuguard.hw.pcie import PcieReport
+from gpuguard.hw.pcie_model import PcieReport
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 FILE = "pcie-load-history.json"

@@ -187,11 +187,14 @@ def mount(host: SimHost, mountpoint: str, timeout: float = 10.0):
     t = threading.Thread(target=serve, name=f"simfuse:{mountpoint}", daemon=True)
     t.start()
     deadline = time.monotonic() + timeout
-    while not os.path.ismount(mountpoint):
-        if errors or not t.is_alive() or time.monotonic() > deadline:
-            unmount(mountpoint)
-            raise RuntimeError(f"FUSE mount of {mountpoint} failed: {errors[0] if errors else 'timeout'}")
-        time.sleep(0.01)
+    try:
+        while not os.path.ismount(mountpoint):
+            if errors or not t.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"FUSE mount of {mountpoint} failed: {errors[0] if errors else 'timeout'}")
+            time.sleep(0.01)
+    except BaseException:  # a failed mount, or Ctrl-C while mounting: leave no mount behind
+        unmount(mountpoint)
+        raise
     try:
         yield mountpoint
     finally:

@@ -1,0 +1,113 @@
+"""The PCIe families of /metrics (reference/METRICS.md) from the latest `PcieReport`: per hop
+its link speed and width (current and maximum) and whether it is an end of a downgraded
+link, AER error counts per device, per GPU its bottleneck bandwidth and BAR sizes, per GPU
+pair whether each direction can reach the other's VRAM peer-to-peer. A value that is
+unknown is left out, never exported as zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gpuguard.hw.pcie_model import PcieReport
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: Mapping[str, str]
+    value: float
+    type: str = "gauge"  # gauge | counter
+
+
+def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType({})) -> Iterator[Sample]:
+    """The PCIe metrics of reference/METRICS.md from one report. `gpu_names[bdf]` is the
+    configured name (default `card` + PCI address). A value that is unknown is left out,
+    never exported as zero."""
+    aer_seen: set[str] = set()
+    # The GPUs behind each hop, so an AER alert names them; a switch or root
+    # port shared by several GPUs names them all, comma-separated, in one series.
+    behind: dict[str, list[str]] = {}
+    for g in report.gpus:
+        for h in g.hops:
+            behind.setdefault(h.bdf, []).append(gpu_names.get(g.bdf, f"card{g.bdf}"))
+    for g in report.gpus:
+        gpu = gpu_names.get(g.bdf, f"card{g.bdf}")
+        for i, h in enumerate(g.hops):
+            lab = {"gpu": gpu, "bdf": h.bdf, "hop": str(i), "role": h.role}
+            for name, v in (
+                ("gpuguard_pcie_link_current_transfers_per_second", h.current_speed_gts),
+                ("gpuguard_pcie_link_max_transfers_per_second", h.max_speed_gts),
+            ):
+                if v is not None:
+                    yield Sample(name, lab, v * 1e9)
+            for name, w in (
+                ("gpuguard_pcie_link_current_width", h.current_width),
+                ("gpuguard_pcie_link_max_width", h.max_width),
+            ):
+                if w is not None:
+                    yield Sample(name, lab, float(w))
+            yield Sample("gpuguard_pcie_link_downgraded", lab, 1.0 if h.downgraded else 0.0)
+            if h.bdf not in aer_seen:
+                aer_seen.add(h.bdf)
+                for sev, n in h.aer.items():
+                    yield Sample("gpuguard_pcie_aer_errors_total",
+                                 {"bdf": h.bdf, "gpu": ",".join(sorted(set(behind[h.bdf]))), "severity": sev},
+                                 float(n), "counter")
+        bw = g.bottleneck_bytes_per_second
+        if bw is not None:
+            yield Sample("gpuguard_gpu_pcie_bottleneck_bytes_per_second", {"gpu": gpu}, bw)
+        for b in g.bars:
+            yield Sample("gpuguard_gpu_bar_bytes", {"gpu": gpu, "bar": str(b.index)}, float(b.size_bytes))
+    for p in report.pairs:
+        a, b = gpu_names.get(p.a, f"card{p.a}"), gpu_names.get(p.b, f"card{p.b}")
+        for d in p.directions:
+            if d.possible is None:
+                continue  # unknown is left out, never a zero
+            way = "a_to_b" if d.reader == p.a else "b_to_a"
+            yield Sample("gpuguard_gpu_pair_p2p", {"a": a, "b": b, "direction": way}, 1.0 if d.possible else 0.0)
+
+
+METRIC_HELP = {
+    "gpuguard_pcie_link_current_transfers_per_second": "Current PCIe link speed per lane of a hop (transfers/s)",
+    "gpuguard_pcie_link_max_transfers_per_second": "Maximum PCIe link speed per lane the hop supports (transfers/s)",
+    "gpuguard_pcie_link_current_width": "Current PCIe link width of a hop (lanes)",
+    "gpuguard_pcie_link_max_width": "Maximum PCIe link width of a hop (lanes)",
+    "gpuguard_pcie_link_downgraded": "1 when the hop is an end of a link running below what both ends support",
+    "gpuguard_gpu_pcie_bottleneck_bytes_per_second": "Usable bandwidth of the GPU's narrowest PCIe hop (bytes/s, per direction)",
+    "gpuguard_pcie_aer_errors_total": "PCIe AER errors counted by the kernel per device",
+    "gpuguard_gpu_bar_bytes": "Size of a GPU BAR (bytes)",
+    "gpuguard_gpu_pair_p2p": "1 when GPU a (a_to_b) or b (b_to_a) can access the other's VRAM peer-to-peer by the kernel's rules (large BAR of the accessed card, p2pdma path)",
+}
+
+
+class PcieCollector:
+    """A prometheus_client custom collector over the latest report; `collect()` formats
+    memory only, it never touches hardware (client_python runs it on the event loop)."""
+
+    def __init__(self, latest: Callable[[], PcieReport | None],
+                 gpu_names: Callable[[], Mapping[str, str]] = lambda: {}) -> None:
+        self._latest = latest
+        self._names = gpu_names  # bdf -> configured name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        report = self._latest()
+        families: dict[str, Any] = {}
+        if report is None:
+            return
+        for s in samples(report, self._names()):
+            fam = families.get(s.name)
+            if fam is None:
+                if s.type == "counter":
+                    fam = CounterMetricFamily(s.name[: -len("_total")], METRIC_HELP[s.name], labels=list(s.labels))
+                else:
+                    fam = GaugeMetricFamily(s.name, METRIC_HELP[s.name], labels=list(s.labels))
+                families[s.name] = fam
+            fam.add_metric(list(s.labels.values()), s.value)
+        yield from families.values()
