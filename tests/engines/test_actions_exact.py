@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
+from support import poll_until
 
 
 def spawn(code: str) -> subprocess.Popen:
@@ -121,6 +122,9 @@ def test_sigkill_after_the_grace_for_one_that_ignores_sigterm(started):
 def test_a_stopped_process_gets_sigkill(started):
     p = started()
     os.kill(p.pid, signal.SIGSTOP)
+    # stopped before the SIGTERM comes: with both pending the kernel takes the lower-numbered
+    # SIGTERM first, and a process not yet scheduled since the SIGSTOP would just exit
+    poll_until(lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED, timeout=30, what="the process stopped")
     res = asyncio.run(kill_engine((p.pid,), grace=0.2))
     assert (res.signals, res.escalated, res.gone) == ((f"SIGTERM pid {p.pid}", f"SIGKILL pid {p.pid}"), True, True)
 
