@@ -26,7 +26,7 @@ set -euo pipefail
 #   module (under daemon/gpuguard) | functions (globs on `Class.method` / `function`) | tests
 # Tests are pytest arguments without spaces (paths, node ids, --ignore=...). Keep it in step
 # when modules move: the survivors file keys mutants by module + function + line text, so
-# after a move only its module column changes. hw/pcie.py stays last.
+# after a move only its module column changes. The PCIe walk (hw/pcie.py) stays last.
 MODULES='
 profiles/plan.py   | *  | tests/profiles/test_plan.py tests/profiles/test_plan_exact.py tests/profiles/test_apply_exact.py tests/hw/test_od_levels.py
 profiles/apply.py  | *  | tests/profiles --ignore=tests/profiles/test_daemon_sim.py --ignore=tests/profiles/test_cli_effective.py tests/state/test_state_machine.py tests/power/test_psu_replay.py tests/nvml/test_nvml_profiles.py
@@ -40,7 +40,9 @@ kernel/router.py   | *  | tests/kernel --ignore=tests/kernel/test_cli_events.py 
 control/auth.py    | *  | tests/service/test_auth_exact.py tests/service/test_auth.py tests/service/test_api.py
 state/audit.py     | *  | tests/service/test_audit_exact.py tests/service/test_service_config_and_audit.py tests/service/test_api.py
 hw/pcie_p2p.py     | *  | tests/pcie --ignore=tests/pcie/test_cli.py
-hw/pcie.py         | encoding_efficiency link_bytes_per_second PcieLink.downgraded PcieLink.bytes_per_second PcieLink.capable_bytes_per_second PcieLink.counts GpuPath.root_port GpuPath.narrowest_hop GpuPath.narrowest_link GpuPath.bottleneck_bytes_per_second GpuPath.slot GpuPath.speed_drop_is_real GpuPath.large_bar GpuPath.large_bar_note GpuPair.* _link _root_bus_link _gpu_path _pair parse_resource kernel_vram | tests/pcie --ignore=tests/pcie/test_cli.py
+hw/pcie_verdict.py | *  | tests/pcie --ignore=tests/pcie/test_cli.py
+hw/pcie_model.py   | PcieLink.* GpuPath.* GpuPair.* format_speed format_gbps | tests/pcie --ignore=tests/pcie/test_cli.py
+hw/pcie.py         | parse_link_speed parse_aer _role _link _root_bus_link _gpu_path _pair parse_resource parse_dpm_pcie kernel_vram is_gpu | tests/pcie --ignore=tests/pcie/test_cli.py
 '
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)

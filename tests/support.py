@@ -108,3 +108,11 @@ class SimRoot(SysfsRoot):
             return []
         except OSError as e:
             raise SysfsError(rel, e.errno or errno_mod.EIO, "list") from None
+
+
+def sim_extra(host, overlay=None) -> dict:
+    """The files a test mount adds beside the sysfs tree: `overlay` (path -> bytes, changeable
+    while mounted) and `/dev/kmsg` as a plain file of the simulated kernel log."""
+    extra = dict(overlay or {})
+    extra.setdefault("/dev/kmsg", lambda: "".join(host.kmsg_lines()).encode())
+    return extra

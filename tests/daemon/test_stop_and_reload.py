@@ -47,14 +47,16 @@ def mount(tmp_path):
     why = _fuse_usable()
     if why:
         pytest.skip(why)
-    from profiles.simfs import Mounted
+    from gpuguard.sim.fuse import SimMount
+    from support import sim_extra
 
     made = []
 
     def make(host: SimHost | None = None):
         d = tmp_path / f"sim{len(made)}"
         d.mkdir()
-        m = Mounted(host or SimHost.incident(), str(d), {"/proc/cmdline": b"root=/dev/sda1\n"})
+        host = host or SimHost.incident()
+        m = SimMount(host, str(d), extra=sim_extra(host, {"/proc/cmdline": b"root=/dev/sda1\n"}), record=True, tick=0.05)
         made.append(m)
         return m
 
@@ -174,13 +176,13 @@ def run(tmp_path):
 
 
 def writes_after(m, t: float) -> list[tuple[float, str, str]]:
-    with m.fs._wlock:
-        return [w for w in m.fs.write_starts if w[0] >= t]
+    with m.recorder.lock:
+        return [w for w in m.recorder.write_starts if w[0] >= t]
 
 
 def writes_to(m, bdf: str) -> list[tuple[float, str, str]]:
-    with m.fs._wlock:
-        return [w for w in m.fs.write_starts if f"/{bdf}/" in w[1]]
+    with m.recorder.lock:
+        return [w for w in m.recorder.write_starts if f"/{bdf}/" in w[1]]
 
 
 def test_sigterm_while_waiting_for_gpus_stops_at_once_and_writes_nothing(tmp_path, mount, run):
@@ -189,14 +191,14 @@ def test_sigterm_while_waiting_for_gpus_stops_at_once_and_writes_nothing(tmp_pat
     m = mount(host)
     port = free_port()
     d = run(config(tmp_path, m.mountpoint, port, wait_for=4), port)
-    poll_until(lambda: d.alive() and m.fs.reads.get(f"{XTX_A}/uevent", 0) + m.fs.reads.get(f"{XTX_A}/class", 0) >= 3,
+    poll_until(lambda: d.alive() and m.recorder.reads.get(f"{XTX_A}/uevent", 0) + m.recorder.reads.get(f"{XTX_A}/class", 0) >= 3,
                60, "discovery rounds while waiting")
     assert not d.said("READY=1")
     t_sig = time.time()
     took = d.sigterm()
     # the bug: it exited 29.8 s after SIGTERM, having written profiles to 3 cards
     assert took < STOP_BOUND_S, (took, d.text())
-    assert m.fs.write_starts == []
+    assert m.recorder.write_starts == []
     assert writes_after(m, t_sig) == []
     assert "stop requested while starting" in d.text() and "stopped: in" in d.text()
     assert d.proc.wait(10) == 0
@@ -210,8 +212,8 @@ def test_sigterm_during_a_blocked_write_stops_within_the_bound_and_polling_went_
     d = run(config(tmp_path, m.mountpoint, port), port)
     poll_until(lambda: d.alive() and writes_to(m, XTX_A), 60, "the blocked write to xtx-a")
     # while the apply hangs, the poll loop keeps reading every card and /healthz is truthful
-    reads = m.fs.reads.get(f"{XTX_B}/pp_od_clk_voltage", 0)
-    poll_until(lambda: m.fs.reads.get(f"{XTX_B}/pp_od_clk_voltage", 0) >= reads + 3, 30, "polls during the apply")
+    reads = m.recorder.reads.get(f"{XTX_B}/pp_od_clk_voltage", 0)
+    poll_until(lambda: m.recorder.reads.get(f"{XTX_B}/pp_od_clk_voltage", 0) >= reads + 3, 30, "polls during the apply")
     assert httpx.get(f"{d.base}/healthz", timeout=5).json()["ok"] is True
     assert not d.said("READY=1")
     t_sig = time.time()
@@ -227,8 +229,8 @@ def test_sigterm_during_a_blocked_write_stops_within_the_bound_and_polling_went_
 
 
 def writes_done_to(m, bdf: str) -> list[tuple[str, str, int]]:
-    with m.fs._wlock:
-        return [w for w in m.fs.writes if f"/{bdf}/" in w[0]]
+    with m.recorder.lock:
+        return [w for w in m.recorder.writes if f"/{bdf}/" in w[0]]
 
 
 def test_an_apply_abandoned_by_its_timeout_leaves_the_card_unverified_and_that_attempt_writes_no_more(
@@ -253,8 +255,8 @@ def test_an_apply_abandoned_by_its_timeout_leaves_the_card_unverified_and_that_a
     # runtime PM held on for the apply, then the OD write that blocks: nothing after it
     assert [(w[1].rsplit("/", 1)[1], w[2]) for w in started] == [("control", "on\n"), ("pp_od_clk_voltage", "s 1 2000\n")]
     # the poll loop goes on reading the card it abandoned
-    reads = m.fs.reads.get(f"{XTX_A}/pp_od_clk_voltage", 0)
-    poll_until(lambda: m.fs.reads.get(f"{XTX_A}/pp_od_clk_voltage", 0) >= reads + 3, 30, "polls after the timeout")
+    reads = m.recorder.reads.get(f"{XTX_A}/pp_od_clk_voltage", 0)
+    poll_until(lambda: m.recorder.reads.get(f"{XTX_A}/pp_od_clk_voltage", 0) >= reads + 3, 30, "polls after the timeout")
     # the driver answers at last: the abandoned thread's write returns. That attempt was
     # given up and reported; it must not go on staging and committing behind the report.
     m.host.unblock(XTX_A)

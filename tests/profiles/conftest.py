@@ -8,19 +8,6 @@ INCIDENT_R9700 = ("0000:05:00.0", "0000:08:00.0")
 INCIDENT_XTX = ("0000:aa:00.0", "0000:b0:00.0")
 
 
-def _simfs():
-    import importlib.util
-    import pathlib
-    import sys
-
-    if "profiles_simfs" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("profiles_simfs", pathlib.Path(__file__).with_name("simfs.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["profiles_simfs"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["profiles_simfs"]
-
-
 def _fuse_usable() -> str | None:
     if os.geteuid() != 0:
         return "FUSE mount of the simulator needs root"
@@ -31,11 +18,14 @@ def _fuse_usable() -> str | None:
 
 @pytest.fixture
 def mount_sim(tmp_path):
-    """mount_sim(host=None, overlay=None) -> Mounted; unmounted at teardown."""
+    """mount_sim(host=None, overlay=None) -> a recording `SimMount` of `host` (the incident
+    host by default) with the model's clock running and `/dev/kmsg` served as the simulated
+    kernel log; unmounted at teardown."""
     why = _fuse_usable()
     if why:
         pytest.skip(why)
-    Mounted = _simfs().Mounted
+    from gpuguard.sim.fuse import SimMount
+    from support import sim_extra
 
     made = []
 
@@ -43,7 +33,7 @@ def mount_sim(tmp_path):
         host = host or SimHost.incident()
         d = tmp_path / f"sim{len(made)}"
         d.mkdir()
-        m = Mounted(host, str(d), overlay)
+        m = SimMount(host, str(d), extra=sim_extra(host, overlay), record=True, tick=0.05)
         made.append(m)
         return m
 

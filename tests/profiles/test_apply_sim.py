@@ -72,7 +72,7 @@ def test_out_of_range_refused_before_any_write(mount_sim):
     assert all(r.result == "refused" and not r.verified for r in results)
     assert "sclk_offset_mhz=-600 MHz refused: outside the card's OD_RANGE -500…1000 MHz" in results[0].message
     assert results[0].message.startswith("g0:")
-    assert m.fs.writes == []  # nothing written to any card, not even power/control
+    assert m.recorder.writes == []  # nothing written to any card, not even power/control
 
 
 def test_persistent_mismatch_marks_unverified_after_retries(mount_sim):
@@ -127,7 +127,7 @@ def test_lost_gpu_is_never_written(mount_sim):
     m = mount_sim()
     a = applier(m, is_lost=lambda bdf: bdf == "0000:aa:00.0")
     r = a.apply(CardTarget("xtx-a", "0000:aa:00.0"), "fast", XTX, "test", "lost")
-    assert r.result == "lost" and m.fs.writes == []
+    assert r.result == "lost" and m.recorder.writes == []
 
 
 def test_reset_writes_r_and_default_cap_and_verifies_stock(mount_sim):

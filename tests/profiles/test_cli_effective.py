@@ -32,9 +32,9 @@ gpus:
 """)
     bad = cli("apply", "--config", str(cfg), "--sysfs-root", m.mountpoint, "--profile", "too-low", "r9700-a")
     assert bad.returncode == 1 and "sclk_offset_mhz=-900 MHz refused" in bad.stdout
-    assert m.fs.writes == []
+    assert m.recorder.writes == []
     dry = cli("apply", "--config", str(cfg), "--sysfs-root", m.mountpoint, "--dry-run")
-    assert dry.returncode == 0 and "would write: pp_od_clk_voltage: s -500" in dry.stdout and m.fs.writes == []
+    assert dry.returncode == 0 and "would write: pp_od_clk_voltage: s -500" in dry.stdout and m.recorder.writes == []
     ok = cli("apply", "--config", str(cfg), "--sysfs-root", m.mountpoint)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "r9700-a (0000:05:00.0) profile psu-safe: VERIFIED" in ok.stdout

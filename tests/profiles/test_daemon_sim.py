@@ -143,10 +143,10 @@ def test_wait_for_gpus_applies_to_the_late_card_before_ready(tmp_path, mount_sim
     d = Daemon(tmp_path, write_config(tmp_path, m.mountpoint, wait_for=4))
     try:
         # the daemon is up and polling the three present cards, and waits: nothing written
-        wait_until(lambda: m.fs.reads.get("0000:05:00.0/pp_od_clk_voltage", 0) >= 1, 30, "first poll")
-        wait_until(lambda: m.fs.reads.get("0000:aa:00.0/uevent", 0) + m.fs.reads.get("0000:aa:00.0/class", 0) >= 3,
+        wait_until(lambda: m.recorder.reads.get("0000:05:00.0/pp_od_clk_voltage", 0) >= 1, 30, "first poll")
+        wait_until(lambda: m.recorder.reads.get("0000:aa:00.0/uevent", 0) + m.recorder.reads.get("0000:aa:00.0/class", 0) >= 3,
                    30, "discovery rounds while waiting")
-        assert m.fs.writes == []
+        assert m.recorder.writes == []
         assert not [x for x in d.messages if "READY=1" in x.split("\n")]
         m.host.appear("0000:08:00.0")  # INCIDENTS §2: the second card's node shows up late
         d.wait_for("READY=1")
@@ -202,13 +202,13 @@ def test_safe_mode_after_two_host_crashes_following_apply(tmp_path, mount_sim):
         d.wait_for("READY=1")
         d.proc.kill()  # the host "went down" right after the apply: no clean stop
         d.stop()
-        m.fs.overlay[BOOT_ID] = f"{boot}\n".encode()
-    n = len(m.fs.writes)
+        m.fs.extra[BOOT_ID] = f"{boot}\n".encode()
+    n = len(m.recorder.writes)
     d = Daemon(tmp_path, cfg)
     try:
         d.wait_for("READY=1")
         d.wait_for("STATUS=4/4 GPUs up; profiles: SAFE MODE", timeout=10)
-        assert len(m.fs.writes) == n  # nothing applied
+        assert len(m.recorder.writes) == n  # nothing applied
     finally:
         out = d.stop()
     assert "host went down within 300 s of applying profiles on 2 starts in a row" in out
@@ -220,7 +220,7 @@ def test_kernel_command_line_forces_safe_mode(tmp_path, mount_sim):
     try:
         d.wait_for("READY=1")
         d.wait_for("STATUS=4/4 GPUs up; profiles: SAFE MODE", timeout=10)
-        assert m.fs.writes == []
+        assert m.recorder.writes == []
     finally:
         out = d.stop()
     assert "kernel command line has 'gpuguard.safe'" in out
@@ -248,10 +248,10 @@ def test_drift_check_off_leaves_a_reset_card_alone(tmp_path, mount_sim):
     d = Daemon(tmp_path, cfg)
     try:
         d.wait_for("READY=1")
-        n = len(m.fs.writes)
+        n = len(m.recorder.writes)
         m.host.reset_gpu("0000:aa:00.0")
-        reads = m.fs.reads.get("0000:aa:00.0/pp_od_clk_voltage", 0)
-        wait_until(lambda: m.fs.reads.get("0000:aa:00.0/pp_od_clk_voltage", 0) >= reads + 3, 10, "three more polls")
-        assert len(m.fs.writes) == n
+        reads = m.recorder.reads.get("0000:aa:00.0/pp_od_clk_voltage", 0)
+        wait_until(lambda: m.recorder.reads.get("0000:aa:00.0/pp_od_clk_voltage", 0) >= reads + 3, 10, "three more polls")
+        assert len(m.recorder.writes) == n
     finally:
         d.stop()

@@ -310,3 +310,43 @@ def test_without_libfuse_the_module_imports_and_names_why_it_cannot_mount(tmp_pa
     reason, refused = r.stdout.splitlines()
     assert reason.startswith("libfuse cannot be loaded") and "fuse3" in reason
     assert refused == f"refused: cannot mount the simulated host: {reason}"
+
+
+@needs_fuse
+def test_sim_mount_records_writes_in_order_with_errno_and_serves_extra_files_read_only(tmp_path):
+    """The test mount (`SimMount`): a recorder of what reached the model — the accepted
+    write, then the refused one with the kernel's EINVAL — and files beside the tree whose
+    callables are rendered at every read, so a log read through one fd sees later lines."""
+    from gpuguard.sim.fuse import SimMount
+
+    host = SimHost.incident()
+    log = [b"first\n"]
+    m = SimMount(host, str(tmp_path / "m"), extra={"/proc/cmdline": b"root=/dev/sda1\n",
+                                                   "/dev/kmsg": lambda: b"".join(log)}, record=True)
+    try:
+        od = tmp_path / "m" / "sys/bus/pci/devices" / R9700 / "pp_od_clk_voltage"
+        fd = os.open(od, os.O_WRONLY)   # one write() each (a buffered file retries at close)
+        try:
+            assert os.write(fd, b"s -500\n") == 7
+            assert syscall_errno(lambda: os.write(fd, b"s -9999\n")) == errno.EINVAL
+        finally:
+            os.close(fd)
+        assert m.writes() == ["pp_od_clk_voltage: s -500"]
+        assert m.writes(ok_only=False) == ["pp_od_clk_voltage: s -500", "pp_od_clk_voltage: s -9999"]
+        assert [e for _, _, e in m.recorder.writes] == [0, errno.EINVAL]
+        assert m.writes_by_gpu() == {R9700: ["pp_od_clk_voltage: s -500"]}
+        assert [p.endswith(f"{R9700}/pp_od_clk_voltage") for _, p, _ in m.recorder.write_starts] == [True, True]
+        before = m.recorder.reads.get(f"{R9700}/pp_od_clk_voltage", 0)
+        od.read_text()
+        assert m.recorder.reads[f"{R9700}/pp_od_clk_voltage"] == before + 1
+
+        assert (tmp_path / "m/proc/cmdline").read_text() == "root=/dev/sda1\n"
+        assert sorted(os.listdir(tmp_path / "m")) == ["dev", "proc", "sys"]
+        assert syscall_errno(lambda: (tmp_path / "m/proc/cmdline").write_text("x")) == errno.EACCES
+        with open(tmp_path / "m/dev/kmsg", "rb") as f:
+            assert f.read() == b"first\n"
+            log.append(b"second\n")
+            assert f.read() == b"second\n"   # same fd, the line appended since
+    finally:
+        m.close()
+    assert not os.path.ismount(tmp_path / "m")

@@ -16,6 +16,12 @@ model (a file that vanished is ENOENT on the next open at once); a read at offse
 renders the attribute (sysfs show()), later offsets continue the same buffer; a read
 through an fd whose file was removed meanwhile is ENODEV (kernfs). O_TRUNC is ignored,
 like sysfs.
+
+Tests mount in-process with `SimMount` (a started mount with `.close()`), which can add
+files beside the sysfs tree (`extra`: `/proc/cmdline`, the boot id, `/dev/kmsg` as a plain
+file of the simulated kernel log, which is what a profile apply reads for an EINVAL's
+reason) and keeps a `WriteRecorder`: every write in the order it reached the model, with
+its errno, and how often each file was read.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 try:
     import mfusepy
@@ -48,15 +55,78 @@ from .host import SimHost
 FUSERMOUNT = shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
 
 
+class WriteRecorder:
+    """What reached the model through the mount, for tests (LACT's snapshot of writes):
+    `writes` is (path, text, errno or 0) in the order the model answered, `write_starts`
+    (wall time, path, text) as each write began (a write blocked in the device counts from
+    there), `reads` counts reads at offset 0 per `<device folder>/<file>`. Read under `lock`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.writes: list[tuple[str, str, int]] = []
+        self.write_starts: list[tuple[float, str, str]] = []
+        self.reads: dict[str, int] = {}
+
+    def read(self, path: str) -> None:
+        key = "/".join(path.rsplit("/", 2)[-2:])
+        with self.lock:
+            self.reads[key] = self.reads.get(key, 0) + 1
+
+    def begin(self, path: str, data: bytes) -> None:
+        with self.lock:
+            self.write_starts.append((time.time(), path, data.decode(errors="replace")))
+
+    def end(self, path: str, data: bytes, err: int) -> None:
+        with self.lock:
+            self.writes.append((path, data.decode(errors="replace"), err))
+
+    def lines(self, ok_only: bool = True) -> list[str]:
+        """`<file>: <value>` for every write, in order."""
+        with self.lock:
+            return [f"{os.path.basename(p)}: {d.strip()}" for p, d, err in self.writes if not (ok_only and err)]
+
+    def by_gpu(self) -> dict[str, list[str]]:
+        """The accepted writes per PCI address (the device folder in the resolved path)."""
+        out: dict[str, list[str]] = {}
+        with self.lock:
+            for path, data, err in self.writes:
+                if err:
+                    continue
+                bdfs = [p for p in path.split("/") if p.count(":") == 2 and "." in p]
+                out.setdefault(bdfs[-1] if bdfs else "?", []).append(f"{os.path.basename(path)}: {data.strip()}")
+        return out
+
+
 class SimFS(mfusepy.Operations if mfusepy is not None else object):  # type: ignore[misc]
     use_ns = True
 
-    def __init__(self, host: SimHost) -> None:
+    def __init__(self, host: SimHost, extra: dict | None = None, recorder: WriteRecorder | None = None) -> None:
         self.host = host
+        # read-only files beside the model's tree; a callable is rendered at every read (a
+        # log read through one fd sees what was appended since it was opened)
+        self.extra: dict[str, bytes | Callable[[], bytes]] = extra if extra is not None else {}
+        self.recorder = recorder
         self.fh = itertools.count(1)
         self.open_files: dict[int, tuple[str, bytes | None]] = {}
         self._lock = threading.Lock()
         self.mounted_at = int(time.time() * 1e9)
+        self.started = threading.Event()  # set once libfuse has set up and serves requests
+
+    def init(self, path):
+        self.started.set()
+
+    def _extra(self, path: str) -> bytes:
+        v = self.extra[path]
+        return v() if callable(v) else v
+
+    def _extra_dirs(self) -> set[str]:
+        out = set()
+        for p in list(self.extra):
+            d = os.path.dirname(p)
+            while d not in ("/", ""):
+                out.add(d)
+                d = os.path.dirname(d)
+        return out
 
     def _uid(self) -> int:
         try:
@@ -69,20 +139,29 @@ class SimFS(mfusepy.Operations if mfusepy is not None else object):  # type: ign
         return mfusepy.FuseOSError(e.errno or errno.EIO)
 
     def getattr(self, path, fh=None):
+        t = self.mounted_at
+        base = {"st_uid": 0, "st_gid": 0, "st_atime": t, "st_mtime": t, "st_ctime": t}
+        if path in self.extra:
+            return {**base, "st_mode": stat.S_IFREG | 0o444, "st_nlink": 1, "st_size": len(self._extra(path))}
+        if path in self._extra_dirs():
+            return {**base, "st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2, "st_size": 0}
         try:
             st = self.host.getattr(path)
         except OSError as e:
             raise self._err(e) from None
         kind = {"dir": stat.S_IFDIR, "file": stat.S_IFREG, "link": stat.S_IFLNK}[st.kind]
-        t = self.mounted_at
-        return {"st_mode": kind | st.mode, "st_nlink": 2 if st.kind == "dir" else 1, "st_size": st.size,
-                "st_uid": 0, "st_gid": 0, "st_atime": t, "st_mtime": t, "st_ctime": t}
+        return {**base, "st_mode": kind | st.mode, "st_nlink": 2 if st.kind == "dir" else 1, "st_size": st.size}
 
     def readdir(self, path, fh):
+        prefix = path.rstrip("/") + "/"
+        extra = {p[len(prefix):].split("/")[0] for p in list(self.extra) if p.startswith(prefix)}
         try:
-            return [".", ".."] + self.host.readdir(path)
+            names = self.host.readdir(path)
         except OSError as e:
-            raise self._err(e) from None
+            if not extra:
+                raise self._err(e) from None
+            names = []
+        return [".", ".."] + names + sorted(extra - set(names))
 
     def readlink(self, path):
         try:
@@ -92,6 +171,13 @@ class SimFS(mfusepy.Operations if mfusepy is not None else object):  # type: ign
 
     def open(self, path, flags):
         write = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if path in self.extra:
+            if write:
+                raise mfusepy.FuseOSError(errno.EACCES)
+            fh = next(self.fh)
+            with self._lock:
+                self.open_files[fh] = (path, None)
+            return fh
         try:
             self.host.check_open(path, write, uid=self._uid())
         except OSError as e:
@@ -104,6 +190,10 @@ class SimFS(mfusepy.Operations if mfusepy is not None else object):  # type: ign
     def read(self, path, size, offset, fh):
         with self._lock:
             path, buf = self.open_files.get(fh, (path, None))
+        if path in self.extra:
+            return self._extra(path)[offset:offset + size]
+        if self.recorder is not None and offset == 0:
+            self.recorder.read(path)
         if offset == 0 or buf is None:
             try:
                 buf = self.host.read(path, uid=self._uid())
@@ -119,14 +209,23 @@ class SimFS(mfusepy.Operations if mfusepy is not None else object):  # type: ign
     def write(self, path, data, offset, fh):
         with self._lock:
             path = self.open_files.get(fh, (path, None))[0]
+        data = bytes(data)
+        if self.recorder is not None:
+            self.recorder.begin(path, data)
         try:
-            return self.host.write(path, bytes(data), uid=self._uid())
+            n = self.host.write(path, data, uid=self._uid())
         except OSError as e:
-            if e.errno == errno.ENOENT:
-                raise mfusepy.FuseOSError(errno.ENODEV) from None
-            raise self._err(e) from None
+            err = errno.ENODEV if e.errno == errno.ENOENT else (e.errno or errno.EIO)
+            if self.recorder is not None:
+                self.recorder.end(path, data, err)
+            raise mfusepy.FuseOSError(err) from None
+        if self.recorder is not None:
+            self.recorder.end(path, data, 0)
+        return n
 
     def truncate(self, path, length, fh=None):
+        if path in self.extra:
+            raise mfusepy.FuseOSError(errno.EACCES)
         try:
             self.host.check_open(path, True, uid=self._uid())
         except OSError as e:
@@ -163,44 +262,91 @@ def _options() -> dict:
     return opts
 
 
-def unmount(mountpoint: str) -> None:
+def unmount(mountpoint: str) -> bool:
+    """Unmount; False when it was busy and only detached (lazily: it ends when its last fd closes)."""
     subprocess.run([FUSERMOUNT, "-u", mountpoint], check=False, capture_output=True)
     if os.path.ismount(mountpoint):
         subprocess.run([FUSERMOUNT, "-uz", mountpoint], check=False, capture_output=True)
+        return False
+    return True
+
+
+class SimMount:
+    """`host` served at `mountpoint` from a background thread of this process, mounted when
+    the constructor returns; `close()` unmounts. `extra` adds read-only files beside the
+    tree; `record=True` keeps a `WriteRecorder` (`.recorder`, `.writes()`); `tick` steps the
+    model's clock in real time (late cards, resets, the load model), None leaves it still."""
+
+    def __init__(self, host: SimHost, mountpoint: str, extra: dict | None = None, record: bool = False,
+                 tick: float | None = None, timeout: float = 10.0) -> None:
+        reason = fuse_available()
+        if reason:
+            raise RuntimeError(f"cannot mount the simulated host: {reason}")
+        self.host = host
+        self.mountpoint = mountpoint
+        self.recorder = WriteRecorder() if record else None
+        self.fs = SimFS(host, extra, self.recorder)
+        self._errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._timeout = timeout
+        os.makedirs(mountpoint, exist_ok=True)
+        cwd = os.getcwd()
+        self._thread = threading.Thread(target=self._serve, name=f"simfuse:{mountpoint}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while not os.path.ismount(mountpoint):
+                if self._errors or not self._thread.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"FUSE mount of {mountpoint} failed: "
+                                       f"{self._errors[0] if self._errors else 'timeout'}")
+                time.sleep(0.01)
+            # libfuse's setup may chdir("/") for the whole process: once it serves, give the
+            # caller its working directory back
+            self.fs.started.wait(max(0.0, deadline - time.monotonic()))
+            if os.getcwd() != cwd:
+                os.chdir(cwd)
+        except BaseException:  # a failed mount, or Ctrl-C while mounting: leave no mount behind
+            unmount(mountpoint)
+            raise
+        self._clock = None
+        if tick:
+            self._clock = threading.Thread(target=self._step, args=(tick,), name="simclock", daemon=True)
+            self._clock.start()
+
+    def _serve(self) -> None:
+        try:
+            mfusepy.FUSE(self.fs, self.mountpoint, **_options())
+        except BaseException as e:  # noqa: BLE001 - reported by the constructor
+            self._errors.append(e)
+
+    def _step(self, tick: float) -> None:
+        while not self._stop.wait(tick):
+            self.host.step(tick)
+
+    def writes(self, ok_only: bool = True) -> list[str]:
+        """`<file>: <value>` for every recorded write, in order (needs `record=True`)."""
+        return self.recorder.lines(ok_only) if self.recorder else []
+
+    def writes_by_gpu(self) -> dict[str, list[str]]:
+        return self.recorder.by_gpu() if self.recorder else {}
+
+    def close(self) -> None:
+        self._stop.set()
+        self.host.release_all()   # a read or write blocked in the model would hold the unmount
+        if unmount(self.mountpoint):
+            self._thread.join(self._timeout)
+        else:
+            self._thread.join(0.5)   # detached: its thread ends once the last fd closes
 
 
 @contextlib.contextmanager
 def mount(host: SimHost, mountpoint: str, timeout: float = 10.0):
     """Mount `host` at `mountpoint` in a background thread; unmount cleanly on exit."""
-    reason = fuse_available()
-    if reason:
-        raise RuntimeError(f"cannot mount the simulated host: {reason}")
-    os.makedirs(mountpoint, exist_ok=True)
-    errors: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-            mfusepy.FUSE(SimFS(host), mountpoint, **_options())
-        except BaseException as e:  # noqa: BLE001 - reported to the caller below
-            errors.append(e)
-
-    t = threading.Thread(target=serve, name=f"simfuse:{mountpoint}", daemon=True)
-    t.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while not os.path.ismount(mountpoint):
-            if errors or not t.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"FUSE mount of {mountpoint} failed: {errors[0] if errors else 'timeout'}")
-            time.sleep(0.01)
-    except BaseException:  # a failed mount, or Ctrl-C while mounting: leave no mount behind
-        unmount(mountpoint)
-        raise
+    m = SimMount(host, mountpoint, timeout=timeout)
     try:
         yield mountpoint
     finally:
-        host.release_all()
-        unmount(mountpoint)
-        t.join(timeout)
+        m.close()
 
 
 def main(argv: list[str] | None = None) -> int:
