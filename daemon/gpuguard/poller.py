@@ -1,9 +1,10 @@
 """The GPU poller: every `poll.interval_seconds` it reads every GPU once and publishes
 one immutable HostSnapshot to the hub.
 
-Reads run in a thread pool with a per-GPU timeout, so a wedged device never freezes the
-event loop; a read still stuck from an earlier cycle is not resubmitted (the GPU is
-reported down with the reason) so stuck threads cannot pile up. One GPU failing never
+Reads run off the event loop with a per-GPU timeout (the answering GPUs one after another
+on one device thread, see `_read_all`), so a wedged device never freezes the event loop;
+a read still stuck from an earlier cycle is not resubmitted (the GPU is reported down with
+the reason) so stuck threads cannot pile up. One GPU failing never
 stops the others. Discovery runs on its own slower clock (and on request, e.g. from a
 udev event) so late cards are picked up and lost ones reported.
 """
