@@ -208,7 +208,8 @@ def test_a_module_without_a_layer_is_named():
 
 def test_the_readme_drawing_names_folders_and_modules_that_exist():
     """README "How it is built": every `folder/` and `folder/module` the drawing names is in
-    daemon/gpuguard, and so are the loops it names (poller, pcie_walker)."""
+    daemon/gpuguard, and so are the loops it names (poller, pcie_walker); every package
+    folder of daemon/gpuguard is in the drawing."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
     section = text[text.index("## How it is built"):]
     drawing = section[section.index("```") + 3:]
@@ -220,3 +221,6 @@ def test_the_readme_drawing_names_folders_and_modules_that_exist():
                if not (pkg / d).is_dir() or (m and not ((pkg / d / f"{m}.py").is_file() or (pkg / d / m).is_dir()))]
     missing += [m for m in ("poller", "pcie_walker") if m not in drawing or not (pkg / f"{m}.py").is_file()]
     assert not missing, f"the README drawing names what is not in daemon/gpuguard: {missing}"
+    drawn = {d for d, _ in names}
+    packages = {p.name for p in pkg.iterdir() if (p / "__init__.py").is_file()}
+    assert packages - drawn == set(), f"folders of daemon/gpuguard the README drawing leaves out: {packages - drawn}"
