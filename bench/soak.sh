@@ -14,6 +14,8 @@ export PYTHONPATH="$PWD/daemon${PYTHONPATH:+:$PYTHONPATH}"
 python3 bench/neighbour.py --hogs "${SOAK_HOGS:-1}" >"$LOG.neighbour" 2>&1 &
 NEIGHBOUR=$!
 trap 'kill $NEIGHBOUR 2>/dev/null; wait $NEIGHBOUR 2>/dev/null' EXIT
+# the neighbour says what it runs once its engines answer: wait for that line (30 s at most)
+for _ in $(seq 1 300); do [ -s "$LOG.neighbour" ] && break; sleep 0.1; done
 {
   echo "soak: $RUNS runs of 'python3 -m pytest -q' at $(git rev-parse --short HEAD), $(nproc) cores"
   echo "beside: $(head -1 "$LOG.neighbour" 2>/dev/null)"
