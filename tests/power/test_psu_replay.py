@@ -89,11 +89,17 @@ def kinds(hub):
 
 def test_peaks_raise_the_headroom_alert_while_the_averages_look_safe_and_psu_safe_clears_it(incident):
     inc = incident
-    hp = cycle_until(inc, "the PSU headroom alert", lambda hp: hp.alerting)
+    # A window of a few samples (the sampler starved on a busy machine) that caught a spike
+    # has a mean near the spike: only a window of many samples says what the average is.
+    # The alert holds once raised (it clears after 3 clear intervals): wait for a window
+    # of >= 20 samples per card whose peaks reach the line.
+    hp = cycle_until(inc, "the PSU headroom alert in a window of >= 20 samples per card reaching the line",
+                     lambda hp: hp.alerting and hp.host_peak_w >= hp.limit_w
+                     and all(w.samples >= 20 for w in hp.gpus))
     assert kinds(inc.hub) == ["power_headroom_low"]
     # the peaks reached the line ...
     assert hp.host_peak_w >= hp.limit_w == 1300 * 0.75
-    assert all(w.source == "power1_average" and w.samples >= 1 for w in hp.gpus)
+    assert all(w.source == "power1_average" for w in hp.gpus)
     # ... while the averages look safe: sampled means and the cards' own long-window average
     assert hp.host_mean_w < hp.limit_w
     long_avg = sum(inc.host.gpu(b).sensors.power_avg_w for b in GPUS.values())
