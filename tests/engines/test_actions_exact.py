@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -150,3 +151,111 @@ def test_a_pid_already_gone_is_not_signalled(started):
     res = asyncio.run(kill_engine((p.pid,), grace=0.2))
     assert (res.signals, res.gone, res.escalated) == ((), True, False)
 
+
+
+def test_the_default_wait_after_sigkill_is_five_seconds():
+    import inspect
+
+    assert inspect.signature(kill_engine).parameters["after_sigkill"].default == 5.0
+
+
+# A process that, on SIGTERM, leaves a detached sleeper behind (double fork: not in its
+# tree), lists it in the cgroup folder's cgroup.procs and then exits or, with IGNORE, goes on.
+LEAVES_A_STRAGGLER = """
+import signal, subprocess, sys, time
+procs, ignore = sys.argv[1], sys.argv[2] == "ignore"
+def on_term(*_):
+    mid = subprocess.run([sys.executable, "-c",
+        "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)"],
+        capture_output=True, text=True)
+    with open(procs, "a") as f:
+        f.write(mid.stdout.strip() + "\\n")
+    if not ignore:
+        sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _straggler(procs: Path, before: str) -> int:
+    return int(procs.read_text().split()[len(before.split())])
+
+
+def _stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_the_tree_reaches_grandchildren_and_a_pid_already_gone_stops_nothing(started):
+    """Descendants at any depth; a PID that no longer exists, iterated first, does not end
+    the walk of the others."""
+    parent = started("import subprocess, sys, time\n"
+                     "child = subprocess.Popen([sys.executable, '-c', 'import subprocess, sys, time; "
+                     "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"]); "
+                     "print(\"ready\", flush=True); time.sleep(60)'], stdout=subprocess.PIPE, text=True)\n"
+                     "child.stdout.readline()\n"
+                     "print('ready', flush=True)\n"
+                     "time.sleep(60)")
+    tree = psutil.Process(parent.pid).children(recursive=True)
+    assert len(tree) == 2
+    # beyond any pid_max (2**22): never a process; the low bits put it first in the set
+    gone = (parent.pid & ~31) + 2 ** 23
+    res = asyncio.run(kill_engine((gone, parent.pid), grace=5.0))
+    everyone = tuple(sorted([parent.pid, *(p.pid for p in tree)]))
+    assert res.pids == tuple(sorted([gone, *everyone]))
+    assert res.signals == tuple(f"SIGTERM pid {p}" for p in everyone)
+    assert (res.escalated, res.gone, res.survivors) == (False, True, ())
+
+
+def test_the_cgroup_members_are_signalled_and_dead_ones_listed_count_as_gone(started, tmp_path):
+    """Members listed in the cgroup folder's cgroup.procs get the signal with the tree; a
+    listed PID that is gone by the end is no survivor."""
+    main, other = started(), started()
+    folder = tmp_path / "engine.scope"
+    folder.mkdir()
+    (folder / "cgroup.procs").write_text(f"{main.pid}\n{other.pid}\n")
+    res = asyncio.run(kill_engine((main.pid,), grace=5.0, cgroup=folder))
+    both = tuple(sorted([main.pid, other.pid]))
+    assert (res.pids, res.cgroup) == (both, str(folder))
+    assert res.signals == tuple(f"SIGTERM pid {p}" for p in both)
+    assert (res.escalated, res.gone, res.survivors) == (False, True, ())
+    assert not psutil.pid_exists(other.pid)  # ended by the SIGTERM and reaped by the kill
+
+
+def test_a_process_that_appears_in_the_cgroup_after_the_kill_is_a_survivor(started, tmp_path):
+    """What joined the cgroup after the last signal is still running: not gone, named."""
+    folder = tmp_path / "engine.scope"
+    folder.mkdir()
+    procs = folder / "cgroup.procs"
+    main = started(LEAVES_A_STRAGGLER.replace("sys.argv[1], sys.argv[2]", f"{str(procs)!r}, 'exit'"))
+    procs.write_text(f"{main.pid}\n")
+    res = asyncio.run(kill_engine((main.pid,), grace=5.0, cgroup=folder))
+    straggler = _straggler(procs, f"{main.pid}")
+    try:
+        assert res.pids == (main.pid,) and res.signals == (f"SIGTERM pid {main.pid}",)
+        assert (res.escalated, res.gone, res.survivors) == (False, False, (straggler,))
+    finally:
+        _stop(straggler)
+
+
+def test_after_the_grace_the_cgroup_is_read_again_and_what_joined_it_gets_sigkill(started, tmp_path):
+    """A process that ignores SIGTERM and, meanwhile, starts one outside its tree in the same
+    cgroup: the SIGKILL round reads the cgroup again and kills both."""
+    folder = tmp_path / "engine.scope"
+    folder.mkdir()
+    procs = folder / "cgroup.procs"
+    main = started(LEAVES_A_STRAGGLER.replace("sys.argv[1], sys.argv[2]", f"{str(procs)!r}, 'ignore'"))
+    procs.write_text(f"{main.pid}\n")
+    res = asyncio.run(kill_engine((main.pid,), grace=1.0, cgroup=folder))
+    straggler = _straggler(procs, f"{main.pid}")
+    try:
+        assert res.pids == tuple(sorted([main.pid, straggler]))
+        assert res.signals == (f"SIGTERM pid {main.pid}", *(f"SIGKILL pid {p}" for p in sorted([main.pid, straggler])))
+        assert (res.escalated, res.gone, res.survivors) == (True, True, ())
+    finally:
+        _stop(straggler)

@@ -30,6 +30,7 @@ from gpuguard.engines.process import (
     read_proc_stat,
     resolve,
 )
+from support import poll_until
 
 
 def cfg(kind: str = "vllm", **process) -> EngineConfig:
@@ -297,3 +298,130 @@ def test_resolve_of_a_zombie_or_nothing_is_none(tmp_path, spawn):
 ])
 def test_batch_tokens(kind, argv, configured, want):
     assert batch_tokens(kind, argv, configured) == want
+
+
+# ------------------------------------------------------------------ systemd units
+# systemd is not PID 1 on a test machine: `systemctl` is a stand-in on PATH that logs its
+# arguments and answers `show -p MainPID|ControlGroup --value UNIT` as the test says.
+
+SYSTEMCTL = """#!/bin/sh
+echo "$*" >> "$STUB_LOG"
+[ -n "$STUB_SLEEP" ] && sleep "$STUB_SLEEP"
+case "$3" in
+  MainPID) printf '%s\\n' "$STUB_MAINPID" ;;
+  ControlGroup) printf '%s\\n' "$STUB_CGROUP" ;;
+esac
+[ -n "$STUB_ERR" ] && echo "$STUB_ERR" >&2
+[ "$3" = ControlGroup ] && exit "${STUB_CGROUP_RC:-0}"
+exit "${STUB_RC:-0}"
+"""
+
+
+@pytest.fixture
+def systemctl(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(SYSTEMCTL)
+    (bin_dir / "systemctl").chmod(0o755)
+    log = tmp_path / "systemctl.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("STUB_LOG", str(log))
+
+    def calls() -> list[str]:
+        return log.read_text().splitlines() if log.exists() else []
+
+    def answer(**env: str) -> None:
+        for k, v in env.items():
+            monkeypatch.setenv(f"STUB_{k.upper()}", v)
+    answer.calls = calls
+    return answer
+
+
+def test_a_units_main_pid_is_asked_of_systemd(systemctl):
+    systemctl(mainpid="4242")
+    assert find_main_pid(cfg(systemd_unit="vllm.service")) == 4242
+    assert systemctl.calls() == ["show -p MainPID --value vllm.service"]
+
+
+def test_a_unit_that_is_not_running_has_no_main_pid(systemctl):
+    systemctl(mainpid="0")
+    assert find_main_pid(cfg(systemd_unit="vllm.service")) is None
+
+
+@pytest.mark.parametrize("answer,message", [
+    (dict(mainpid="[not set]"), "unit vllm.service: MainPID '[not set]' is not a number"),
+    (dict(mainpid="", rc="1", err="Failed to connect to bus: No such file or directory"),
+     "unit vllm.service: systemctl show failed: Failed to connect to bus: No such file or directory"),
+    (dict(mainpid="", rc="1"), "unit vllm.service: systemctl show failed: 1"),
+    (dict(mainpid="", rc="4", err=""), "unit vllm.service: systemctl show failed: 4"),
+])
+def test_what_systemd_cannot_answer_is_said_with_the_unit(systemctl, answer, message):
+    systemctl(**answer)
+    with pytest.raises(ProcessLookupFailed) as ei:
+        find_main_pid(cfg(systemd_unit="vllm.service"))
+    assert str(ei.value) == message
+
+
+def test_no_systemctl_on_the_host_is_said(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ProcessLookupFailed) as ei:
+        find_main_pid(cfg(systemd_unit="vllm.service"))
+    assert str(ei.value) == "unit vllm.service: systemctl not found; use process.pid_file or cmdline"
+
+
+def test_a_systemctl_that_hangs_is_given_up_after_two_seconds(systemctl):
+    systemctl(mainpid="4242", sleep="10")
+    t0 = time.monotonic()
+    with pytest.raises(ProcessLookupFailed) as ei:
+        find_main_pid(cfg(systemd_unit="vllm.service"))
+    assert str(ei.value) == "unit vllm.service: systemctl show timed out after 2 s"
+    assert time.monotonic() - t0 < 9
+
+
+def _cgroup_base() -> Path | None:
+    """A cgroup hierarchy at one of the places gpuguard looks where this test may make one."""
+    for base in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup/systemd")):
+        if (base / "cgroup.procs").exists() and os.access(base, os.W_OK):
+            return base
+    return None
+
+
+@pytest.mark.root
+@pytest.mark.skipif(_cgroup_base() is None, reason="needs root and a writable cgroup hierarchy under /sys/fs/cgroup")
+def test_a_units_processes_include_its_cgroup_found_through_systemd(systemctl, tmp_path):
+    """`systemd_unit`: the main PID and the unit's cgroup (ControlGroup, under the unified,
+    v2 or name=systemd tree): a helper in the cgroup that is no child of the engine is one
+    of the engine's processes."""
+    base = _cgroup_base()
+    name = f"gpuguard-test-{uuid.uuid4().hex[:8]}.scope"
+    folder = base / name
+    folder.mkdir()
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    helper = subprocess.Popen(["sleep", "60"])
+    try:
+        for p in (main, helper):
+            (folder / "cgroup.procs").write_text(f"{p.pid}\n")
+        systemctl(mainpid=str(main.pid), cgroup=f"/{name}")
+        procs = resolve(cfg(systemd_unit="gpuguard-test.service"))
+        assert (procs.main_pid, procs.cgroup) == (main.pid, folder)
+        assert procs.pids == (main.pid, helper.pid)
+        assert systemctl.calls() == ["show -p MainPID --value gpuguard-test.service",
+                                     "show -p ControlGroup --value gpuguard-test.service"]
+    finally:
+        for p in (main, helper):
+            p.kill()
+            p.wait(5)
+        poll_until(lambda: not (folder / "cgroup.procs").read_text().split(), 10, "the test cgroup empty")
+        folder.rmdir()
+
+
+@pytest.mark.parametrize("answer", [dict(cgroup=""), dict(cgroup="/no-such.scope"), dict(cgroup="/x.scope", cgroup_rc="1")])
+def test_a_unit_without_a_cgroup_systemd_can_show_is_its_process_tree(systemctl, answer):
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        systemctl(mainpid=str(main.pid), **answer)
+        procs = resolve(cfg(systemd_unit="gpuguard-test.service"))
+        assert (procs.main_pid, procs.pids, procs.cgroup) == (main.pid, (main.pid,), None)
+    finally:
+        main.kill()
+        main.wait(5)
