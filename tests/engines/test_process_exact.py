@@ -425,3 +425,62 @@ def test_a_unit_without_a_cgroup_systemd_can_show_is_its_process_tree(systemctl,
     finally:
         main.kill()
         main.wait(5)
+
+
+# ------------------------------------------------------------------ exact edges
+
+def test_garbage_in_a_stat_file_is_quoted_up_to_120_characters(tmp_path):
+    raw = "77 (x) " + "y" * 200 + "\n"
+    proc = fake_proc(tmp_path, 77, raw)
+    with pytest.raises(ProcessLookupFailed) as e:
+        read_proc_stat(77, proc)
+    assert str(e.value) == f"{proc}/77/stat: unexpected content (list index out of range): {raw[:120]!r}"
+
+
+def test_a_long_garbage_pid_file_is_quoted_up_to_40_characters(tmp_path):
+    f = tmp_path / "v.pid"
+    f.write_text("x" * 60)
+    with pytest.raises(ProcessLookupFailed) as e:
+        _pid_file(f)
+    assert str(e.value) == f"pid file {f}: {'x' * 40!r} is not a PID; fix or remove it"
+
+
+def test_a_cgroup_member_already_gone_is_passed_over(tmp_path, spawn):
+    gone = spawn(["true"])
+    gone.wait(5)
+    live = spawn(sleeper("live"))
+    folder = tmp_path / "e.scope"
+    folder.mkdir()
+    (folder / "cgroup.procs").write_text(f"{gone.pid}\n{live.pid}\n")
+    assert _cgroup_main(folder) == live.pid
+
+
+def test_a_batch_of_one_token_is_a_size():
+    assert batch_tokens("vllm", ["vllm", "serve", "--max-num-batched-tokens", "1"]) == 1
+
+
+def test_resolve_reads_the_given_proc_tree(tmp_path, spawn):
+    """The /proc it is given, not the machine's: the main process a zombie there is no engine;
+    the GPU process's figures come from there too."""
+    p = spawn(sleeper("main"))
+    f = tmp_path / "v.pid"
+    f.write_text(str(p.pid))
+    zombie = fake_proc(tmp_path / "z", p.pid, stat_line(p.pid, "python3", state="Z"))
+    assert resolve(cfg(pid_file=str(f)), zombie) is None
+    fake = fake_proc(tmp_path / "s", p.pid, stat_line(p.pid, "python3", state="S", utime=700, stime=300))
+    procs = resolve(cfg(pid_file=str(f)), fake)
+    assert (procs.main_pid, procs.gpu_stat.state, procs.gpu_stat.cpu_seconds) == (p.pid, "S", 1000 / CLK_TCK)
+
+
+def test_resolve_takes_every_descendant_and_the_configured_batch(tmp_path, spawn):
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import subprocess, sys, time; subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"]); "
+            "time.sleep(60)']); time.sleep(60)")
+    parent = spawn([sys.executable, "-c", code, "--max-num-batched-tokens", "4096"], start_new_session=True)
+    kids = wait_children(parent.pid, 2)
+    f = tmp_path / "v.pid"
+    f.write_text(str(parent.pid))
+    procs = resolve(EngineConfig.model_validate({"name": "e", "kind": "vllm", "url": "http://127.0.0.1:1",
+                                                 "prefill_batch_tokens": 1000, "process": {"pid_file": str(f)}}))
+    assert procs.pids == (parent.pid, *(k.pid for k in kids)) and len(procs.pids) == 3
+    assert procs.batch_tokens == 1000   # the config wins over the command line's 4096
