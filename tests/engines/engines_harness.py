@@ -57,7 +57,7 @@ class SimEngine:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.pid = self.proc.pid
         if wait_ready:
-            wait_for(self.answers, 15, what=f"sim {kind} on :{self.port}")
+            wait_for(self.answers, 60, what=f"sim {kind} on :{self.port}")
 
     def answers(self) -> bool:
         try:
