@@ -307,6 +307,7 @@ def test_batch_tokens(kind, argv, configured, want):
 SYSTEMCTL = """#!/bin/sh
 echo "$*" >> "$STUB_LOG"
 [ -n "$STUB_SLEEP" ] && sleep "$STUB_SLEEP"
+[ "$3" = ControlGroup ] && [ -n "$STUB_CGROUP_SLEEP" ] && sleep "$STUB_CGROUP_SLEEP"
 case "$3" in
   MainPID) printf '%s\\n' "$STUB_MAINPID" ;;
   ControlGroup) printf '%s\\n' "$STUB_CGROUP" ;;
@@ -484,3 +485,28 @@ def test_resolve_takes_every_descendant_and_the_configured_batch(tmp_path, spawn
                                                  "prefill_batch_tokens": 1000, "process": {"pid_file": str(f)}}))
     assert procs.pids == (parent.pid, *(k.pid for k in kids)) and len(procs.pids) == 3
     assert procs.batch_tokens == 1000   # the config wins over the command line's 4096
+
+
+def test_a_systemctl_that_hangs_on_the_cgroup_leaves_the_process_tree_after_two_seconds(systemctl):
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        systemctl(mainpid=str(main.pid), cgroup="/system.slice/x.service", cgroup_sleep="10")
+        t0 = time.monotonic()
+        procs = resolve(cfg(systemd_unit="x.service"))
+        took = time.monotonic() - t0
+        assert (procs.main_pid, procs.pids, procs.cgroup) == (main.pid, (main.pid,), None)
+        assert 1.9 < took < 9, took   # systemctl's 2 s, not its 10 s
+    finally:
+        main.kill()
+        main.wait(5)
+
+
+def test_the_gpu_process_pattern_sees_the_arguments_joined_by_spaces(tmp_path, spawn):
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', "
+            "'EngineCore_0', '--rank', '0']); time.sleep(60)")
+    parent = spawn([sys.executable, "-c", code])
+    (core,) = wait_children(parent.pid, 1)
+    f = tmp_path / "v.pid"
+    f.write_text(str(parent.pid))
+    procs = resolve(cfg("vllm", pid_file=str(f), gpu_process=r"EngineCore_0 --rank 0$"))
+    assert (procs.gpu_pid, procs.note) == (core.pid, "")
