@@ -104,7 +104,7 @@ while IFS='|' read -r module functions tests; do
   cp -rL "$REPO/daemon/gpuguard" "$s/src/gpuguard"
   find "$s/src" -name __pycache__ -prune -exec rm -rf {} +
   cp -rL "$REPO/tests" "$s/tests"
-  for d in config units grafana deploy README.md; do [ -e "$REPO/$d" ] && cp -rL "$REPO/$d" "$s/$d"; done
+  for d in config units grafana deploy docs README.md; do [ -e "$REPO/$d" ] && cp -rL "$REPO/$d" "$s/$d"; done
   # Tests that start `python -m gpuguard…` with PYTHONPATH=<repo>/daemon get the unmutated copy.
   ln -s ../src "$s/mutants/daemon"
   mkdir -p "$s/plugins" && cp "$REPO/bench/mutation_order.py" "$s/plugins/"
@@ -118,7 +118,7 @@ while IFS='|' read -r module functions tests; do
     echo "pytest_add_cli_args_test_selection = $(toml_list "${targs[@]}")"
     # (no:unraisableexception: its gc.collect()s after every run were a third of a mutant's time)
     echo 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:unraisableexception", "-p", "mutation_order", "-W", "ignore::DeprecationWarning"]'
-    echo 'also_copy = ["config", "units", "grafana", "deploy", "README.md"]'
+    echo 'also_copy = ["config", "units", "grafana", "deploy", "docs", "README.md"]'
   } >"$s/pyproject.toml"
   (cd "$s" && python3 "$REPO/bench/mutation_report.py" names --module "$module" --functions "$functions" \
      --sample "$SAMPLE") >"$s/names"
