@@ -386,3 +386,77 @@ def test_no_hooks_or_missing_hook_methods_are_fine(rules):
     r2 = router(rules, object())
     r2.handle_record(rec("amdgpu 0000:aa:00.0: amdgpu: device lost from bus!", GPU))
     assert r.hook_errors == r2.hook_errors == 0 and r.is_lost(GPU) and r2.is_lost(GPU)
+
+
+def test_the_defaults_of_a_router():
+    r = KernelEventRouter(Rules([]))
+    assert (r.debounce_s, r.recover_settle_s, r.events.maxlen) == (30.0, 2.0, 1000)
+
+
+def test_a_settled_recovery_is_recorded_with_its_reason(rules):
+    got = []
+
+    async def main():
+        r = router(rules, Hooks(), recover_settle_s=0.02)
+        r.states.on_reset.append(lambda s, how: got.append((s.bdf, how)))
+        r.handle_record(rec(OK, GPU))
+        for _ in range(400):
+            if got:
+                break
+            await asyncio.sleep(0.005)
+        return r
+
+    r = asyncio.run(main())
+    assert got == [(GPU, "kernel: GPU reset succeeded")]
+    assert r.states.get(GPU).pending_why == "kernel: GPU reset succeeded: the card is back at stock settings"
+
+
+def test_a_second_ok_line_while_settling_moves_the_recovery_not_doubles_it(rules):
+    """A reset prints several "ok" lines: one recovery, settled after the last one."""
+    h = Hooks()
+
+    async def main():
+        r = router(rules, h, recover_settle_s=0.2)
+        gen = r.states.get(GPU).generation
+        r.handle_record(rec(OK, GPU))
+        await asyncio.sleep(0.1)
+        r.handle_record(rec(OK, GPU))
+        t_last = time.monotonic()
+        while ("reset_ok", GPU) not in h.calls:
+            await asyncio.sleep(0.005)
+        fired_after = time.monotonic() - t_last
+        await asyncio.sleep(0.3)   # a first timer not cancelled would have fired by now too
+        return r, gen, fired_after
+
+    r, gen, fired_after = asyncio.run(main())
+    assert r.states.get(GPU).generation == gen + 1 and h.calls.count(("reset_ok", GPU)) == 1
+    assert fired_after >= 0.19, fired_after   # settled from the second line
+
+
+def test_two_cards_reset_without_a_loop_are_both_recovered(rules):
+    h = Hooks()
+    r = router(rules, h, recover_settle_s=2.0)
+    r.handle_record(rec(OK, GPU))
+    r.handle_record(rec(OK.replace(GPU, GPU2), GPU2))
+    assert [c for c in h.calls if c[0] == "reset_ok"] == [("reset_ok", GPU), ("reset_ok", GPU2)]
+
+
+def test_two_different_xids_from_two_sources_both_count(rules):
+    r = router(rules)
+    now = time.time()
+    assert r.handle_external(nv("nvidia_xid", xid=79, t=now, source="kmsg")) is not None
+    assert r.handle_external(nv("nvidia_xid", xid=48, t=now + 1)) is not None  # NVML, another Xid
+    assert r.counts[(f"card{GPU}", "nvidia_xid")] == 2
+
+
+def test_a_sink_that_returns_nothing_is_no_error(rules):
+    seen = []
+    r = router(rules, on_event=seen.append)
+    r.handle_record(rec(OK, GPU))
+    assert [e.kind for e in seen] and r.hook_errors == 0
+
+
+def test_udev_events_without_a_gpu_namer_carry_no_name(rules):
+    r = KernelEventRouter(rules, None, None, states=states())
+    e = r.handle_device(pci("remove"))
+    assert (e.kind, e.gpu, e.bdf) == ("gpu_lost", None, GPU)
