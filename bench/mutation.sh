@@ -33,7 +33,7 @@ profiles/apply.py  | *  | tests/profiles --ignore=tests/profiles/test_daemon_sim
 state/identity.py  | *  | tests/state
 state/gpus.py      | *  | tests/state tests/kernel/test_router.py tests/nvml/test_nvml_events.py
 engines/stall.py   | *  | tests/engines/test_stall.py tests/engines/test_stall_exact.py tests/engines/test_reference_metrics.py
-engines/actions.py | *  | tests/engines/test_actions_exact.py tests/engines/test_exact_kill_and_restart.py tests/engines/test_kill_on_stall.py
+engines/actions.py | *  | tests/engines/test_actions_exact.py tests/engines/test_kill_on_stall.py
 engines/process.py | *  | tests/engines/test_process_exact.py tests/engines/test_config_and_process.py tests/engines/test_exact_kill_and_restart.py
 kernel/rules.py    | *  | tests/kernel --ignore=tests/kernel/test_cli_events.py --ignore=tests/kernel/test_alert_flood.py
 kernel/router.py   | *  | tests/kernel --ignore=tests/kernel/test_cli_events.py --ignore=tests/kernel/test_alert_flood.py tests/state/test_gpus.py
