@@ -201,15 +201,17 @@ def test_the_tree_reaches_grandchildren_and_a_pid_already_gone_stops_nothing(sta
                      "child.stdout.readline()\n"
                      "print('ready', flush=True)\n"
                      "time.sleep(60)")
-    tree = psutil.Process(parent.pid).children(recursive=True)
-    assert len(tree) == 2
+    (child,) = psutil.Process(parent.pid).children()
+    (grandchild,) = child.children()
     # beyond any pid_max (2**22): never a process; the low bits put it first in the set
-    gone = (parent.pid & ~31) + 2 ** 23
-    res = asyncio.run(kill_engine((gone, parent.pid), grace=5.0))
-    everyone = tuple(sorted([parent.pid, *(p.pid for p in tree)]))
+    gone = (child.pid & ~31) + 2 ** 23
+    # the middle of the tree: it and what is below it, not its parent (this test's child)
+    res = asyncio.run(kill_engine((gone, child.pid), grace=5.0))
+    everyone = tuple(sorted([child.pid, grandchild.pid]))
     assert res.pids == tuple(sorted([gone, *everyone]))
     assert res.signals == tuple(f"SIGTERM pid {p}" for p in everyone)
     assert (res.escalated, res.gone, res.survivors) == (False, True, ())
+    assert parent.poll() is None   # untouched
 
 
 def test_the_cgroup_members_are_signalled_and_dead_ones_listed_count_as_gone(started, tmp_path):
@@ -250,12 +252,17 @@ def test_after_the_grace_the_cgroup_is_read_again_and_what_joined_it_gets_sigkil
     folder.mkdir()
     procs = folder / "cgroup.procs"
     main = started(LEAVES_A_STRAGGLER.replace("sys.argv[1], sys.argv[2]", f"{str(procs)!r}, 'ignore'"))
-    procs.write_text(f"{main.pid}\n")
+    helper = started()   # takes SIGTERM: gone before the SIGKILL round, still one of the engine's
+    procs.write_text(f"{main.pid}\n{helper.pid}\n")
+    (folder / "cgroup.kill").write_text("")   # cgroup v2's kill switch (here a plain file)
     res = asyncio.run(kill_engine((main.pid,), grace=1.0, cgroup=folder))
-    straggler = _straggler(procs, f"{main.pid}")
+    straggler = _straggler(procs, f"{main.pid} {helper.pid}")
     try:
-        assert res.pids == tuple(sorted([main.pid, straggler]))
-        assert res.signals == (f"SIGTERM pid {main.pid}", *(f"SIGKILL pid {p}" for p in sorted([main.pid, straggler])))
+        first = tuple(sorted([main.pid, helper.pid]))
+        assert res.pids == tuple(sorted([main.pid, helper.pid, straggler]))
+        assert res.signals == (*(f"SIGTERM pid {p}" for p in first), f"SIGKILL cgroup.kill {folder}",
+                               *(f"SIGKILL pid {p}" for p in sorted([main.pid, straggler])))
         assert (res.escalated, res.gone, res.survivors) == (True, True, ())
+        assert (folder / "cgroup.kill").read_text() == "1"
     finally:
         _stop(straggler)
