@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 import pytest
 
-from gpuguard.state.audit import AUDIT_FILE, AuditLog, AuditUnavailable, jsonable
+from gpuguard.state.audit import AUDIT_FILE, AuditLog, AuditUnavailable, jsonable, profile_records
 
 
 class Health:
@@ -118,3 +118,49 @@ def test_a_required_record_that_cannot_be_written_stops_the_action(tmp_path):
     with pytest.raises(AuditUnavailable) as e:
         log.record("kill_engine", "policy", "stalled", required=True)
     assert str(e.value) == f"audit record not written to {blocker / 'audit.jsonl'}: File exists"
+
+
+def _only(log: AuditLog) -> dict:
+    (rec,) = list(log)
+    return rec
+
+
+def test_a_profile_record_is_filed_as_profile_action_with_the_rest_as_evidence(tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl")
+    log.profile_record({"action": "write", "who": "api:alice", "why": "psu", "gpu": "r9700-a", "result": "retry",
+                        "file": "power1_cap", "value": "210000000"})
+    rec = _only(log)
+    assert {k: rec[k] for k in ("what", "who", "why", "target", "result", "evidence")} == {
+        "what": "profile_write", "who": "api:alice", "why": "psu", "target": "r9700-a", "result": "retry",
+        "evidence": {"file": "power1_cap", "value": "210000000"}}
+    assert profile_records(tmp_path / "a.jsonl") == [{"file": "power1_cap", "value": "210000000", "action": "write",
+                                                     "who": "api:alice",
+                                                     "why": "psu", "gpu": "r9700-a", "result": "retry",
+                                                     "time": rec["unix_time"]}]
+
+
+def test_a_profile_record_missing_its_keys_gets_the_defaults(tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl")
+    log.profile_record({})
+    rec = _only(log)
+    assert {k: rec[k] for k in ("what", "who", "why", "target", "result", "evidence")} == {
+        "what": "profile_?", "who": "?", "why": "", "target": None, "result": "ok", "evidence": {}}
+
+
+def test_the_record_before_an_apply_is_required(tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl")
+    log.profile_started("xtx-a", "xtx", "cli:root", "clock limit")
+    rec = _only(log)
+    assert {k: rec[k] for k in ("what", "who", "why", "target", "result", "evidence")} == {
+        "what": "profile_apply", "who": "cli:root", "why": "clock limit", "target": "xtx-a", "result": "started",
+        "evidence": {"profile": "xtx"}}
+    (tmp_path / "file").write_text("")
+    blocked = AuditLog(tmp_path / "file" / "a.jsonl")   # its folder is a file: cannot be written
+    with pytest.raises(AuditUnavailable):
+        blocked.profile_started("xtx-a", "xtx", "cli:root", "clock limit")
+
+
+def test_the_log_makes_its_missing_folders(tmp_path):
+    log = AuditLog(tmp_path / "state" / "sub" / "a.jsonl")
+    log.record("x", "who", "why")
+    assert [r["what"] for r in log] == ["x"]
