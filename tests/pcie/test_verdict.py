@@ -110,3 +110,18 @@ def test_sizes_in_words():
     assert v.size_text(GIB + GIB // 2) == "1.5 GiB"
     assert v.size_text(GIB - 1) == "1024 MiB"
     assert v.size_text(256 * MIB) == "256 MiB"
+
+
+def test_the_slot_link_is_the_external_one_nearest_the_gpu_at_any_position():
+    from gpuguard.hw.pcie_verdict import slot_link
+
+    assert slot_link(["external", "external", "internal"]) == 1
+    assert slot_link(["external", "internal", "internal"]) == 0
+    assert slot_link(["internal", None]) is None
+
+
+def test_a_bar_exactly_the_vram_size_is_a_large_bar():
+    from gpuguard.hw.pcie_verdict import large_bar_note
+
+    assert large_bar_note(16 << 30, None, None, (0, 16 << 30)) == "large BAR active: BAR0 16 GiB for 16 GiB VRAM"
+    assert large_bar_note(16 << 30, None, None, (2, 256 << 20)) == "large BAR not active: BAR2 256 MiB for 16 GiB VRAM"
