@@ -221,7 +221,9 @@ def test_status_names_the_processes_holding_each_gpu(tmp_path, start_daemon, eng
 
     def held():
         doc = httpx.get(f"{d.base}/v1/status", timeout=5).json()
-        return [p for p in doc.get("gpu_processes", {}).get("processes", []) if p["pid"] == core]
+        # the hold is listed from fdinfo first and named for its engine once the watchdog has
+        # resolved the engine's processes (the soak saw the first answer without the engine)
+        return [p for p in doc.get("gpu_processes", {}).get("processes", []) if p["pid"] == core and p.get("engine")]
 
     (hold,) = wait_for(held, timeout=STARTS, what="the EngineCore's hold in /v1/status")
     assert hold == {"gpu": "xtx-0", "bdf": "0000:aa:00.0", "pid": core, "comm": "VLLM::EngineCor", "engine": "vllm-a",
