@@ -160,13 +160,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import signal
 
     from gpuguard.config import ConfigError, load_config, parse_config
+    from gpuguard.sim.runner import build_scenario
 
     # Ctrl-C stops the demo at every moment. Started by `cmd &` from a script it inherits
     # SIGINT ignored, and Python then raises no KeyboardInterrupt: a Ctrl-C while it starts
     # was lost and the demo ran on (the daemon's own handler comes later, the signal long
     # gone). The daemon treats SIGINT as a stop whatever it inherited; so does the demo.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from gpuguard.sim.runner import build_scenario
 
     try:
         host = build_scenario(args.scenario)

@@ -50,7 +50,10 @@ except OSError as _e:
 else:
     _NO_LIBFUSE = None
 
+from gpuguard.hw.pci_address import bdf_in_path
+
 from .host import SimHost
+from .runner import SimRunner
 
 FUSERMOUNT = shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
 
@@ -92,8 +95,7 @@ class WriteRecorder:
             for path, data, err in self.writes:
                 if err:
                     continue
-                bdfs = [p for p in path.split("/") if p.count(":") == 2 and "." in p]
-                out.setdefault(bdfs[-1] if bdfs else "?", []).append(f"{os.path.basename(path)}: {data.strip()}")
+                out.setdefault(bdf_in_path(path) or "?", []).append(f"{os.path.basename(path)}: {data.strip()}")
         return out
 
 
@@ -274,8 +276,9 @@ def unmount(mountpoint: str) -> bool:
 class SimMount:
     """`host` served at `mountpoint` from a background thread of this process, mounted when
     the constructor returns; `close()` unmounts. `extra` adds read-only files beside the
-    tree; `record=True` keeps a `WriteRecorder` (`.recorder`, `.writes()`); `tick` steps the
-    model's clock in real time (late cards, resets, the load model), None leaves it still."""
+    tree; `record=True` keeps a `WriteRecorder` (`.recorder`, `.writes()`); `tick` runs the
+    model's clock in real time every `tick` seconds (a `SimRunner`: late cards, resets, the
+    load model), None leaves it still."""
 
     def __init__(self, host: SimHost, mountpoint: str, extra: dict | None = None, record: bool = False,
                  tick: float | None = None, timeout: float = 10.0) -> None:
@@ -287,7 +290,6 @@ class SimMount:
         self.recorder = WriteRecorder() if record else None
         self.fs = SimFS(host, extra, self.recorder)
         self._errors: list[BaseException] = []
-        self._stop = threading.Event()
         self._timeout = timeout
         os.makedirs(mountpoint, exist_ok=True)
         cwd = os.getcwd()
@@ -308,20 +310,13 @@ class SimMount:
         except BaseException:  # a failed mount, or Ctrl-C while mounting: leave no mount behind
             unmount(mountpoint)
             raise
-        self._clock = None
-        if tick:
-            self._clock = threading.Thread(target=self._step, args=(tick,), name="simclock", daemon=True)
-            self._clock.start()
+        self._clock = SimRunner(host, interval=tick).start() if tick else None
 
     def _serve(self) -> None:
         try:
             mfusepy.FUSE(self.fs, self.mountpoint, **_options())
         except BaseException as e:  # noqa: BLE001 - reported by the constructor
             self._errors.append(e)
-
-    def _step(self, tick: float) -> None:
-        while not self._stop.wait(tick):
-            self.host.step(tick)
 
     def writes(self, ok_only: bool = True) -> list[str]:
         """`<file>: <value>` for every recorded write, in order (needs `record=True`)."""
@@ -331,7 +326,8 @@ class SimMount:
         return self.recorder.by_gpu() if self.recorder else {}
 
     def close(self) -> None:
-        self._stop.set()
+        if self._clock is not None:
+            self._clock.stop()
         self.host.release_all()   # a read or write blocked in the model would hold the unmount
         if unmount(self.mountpoint):
             self._thread.join(self._timeout)
