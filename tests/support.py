@@ -11,6 +11,12 @@ from typing import Callable
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 
+# How long a daemon or a simulated engine may take to start its processes and be watched:
+# seconds on a quiet machine, over 15 s on 2 loaded cores (seen beside the mutation runs and
+# in the soak). A wait that returns as soon as the thing is there, never a bound on gpuguard.
+STARTS = 60
+
+
 def api_routes(app) -> list:
     """Every path operation of a FastAPI app, whatever routers it was put together from:
     FastAPI 0.137.2 and later keep an included router as one node of `app.routes`

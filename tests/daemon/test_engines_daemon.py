@@ -11,15 +11,11 @@ import time
 
 import httpx
 import pytest
-from support import WebhookReceiver
+from support import STARTS, WebhookReceiver
 
 from engines.engines_harness import SimEngine, alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse, pytest.mark.network]  # registered in pyproject.toml
-
-# How long the daemon and a simulated engine may take to come up and be watched: seconds on
-# a quiet machine, over 10 s on 2 loaded cores (seen in the soak). Waits, not bounds.
-STARTS = 60
 
 
 NAMES = """

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from support import STARTS
+
 REPO = Path(__file__).resolve().parents[2]
 DAEMON = REPO / "daemon"
 
@@ -57,7 +59,7 @@ class SimEngine:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.pid = self.proc.pid
         if wait_ready:
-            wait_for(self.answers, 60, what=f"sim {kind} on :{self.port}")
+            wait_for(self.answers, STARTS, what=f"sim {kind} on :{self.port}")
 
     def answers(self) -> bool:
         try:

@@ -18,6 +18,7 @@ from gpuguard.engines.watchdog import EngineWatchdog
 from gpuguard.hw.nvml import NvmlSource, RecordedNvml
 
 from engines_harness import alive, engine_cfg, run_watchdog_until, wait_for
+from support import STARTS
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
@@ -82,8 +83,8 @@ def test_nvml_processes_from_the_recorded_h200():
 def test_sim_engine_gpu_from_fdinfo_metric_and_vram_held_after_it_is_gone(tmp_path, sims):
     proc = tmp_path / "proc"
     sim = sims("vllm", "--drm-root", str(proc), "--gpu-bdf", "0000:03:00.0", "--vram-mib", "512")
-    core = wait_for(lambda: len(sim.tree()) == 2 and sim.tree()[1], 60, what="EngineCore")
-    wait_for(lambda: (proc / str(core) / "fdinfo" / "8").exists(), 60, what="the core's fdinfo")
+    core = wait_for(lambda: len(sim.tree()) == 2 and sim.tree()[1], STARTS, what="EngineCore")
+    wait_for(lambda: (proc / str(core) / "fdinfo" / "8").exists(), STARTS, what="the core's fdinfo")
     (hold,) = scan_fdinfo(proc)
     assert hold.pid == core and hold.vram_bytes == 512 * 2**20  # two fds, one client: counted once
     attribution = GpuAttribution(proc, gpu_names=lambda: {"0000:03:00.0": "r9700-a"})
@@ -132,8 +133,8 @@ def test_status_without_a_daemon_reads_the_hosts_fdinfo_itself(tmp_path, sims):
     root = tmp_path / "host"
     write_tree(build_scenario("incident"), str(root))
     sim = sims("vllm", "--drm-root", str(root / "proc"), "--gpu-bdf", "0000:aa:00.0", "--vram-mib", "256")
-    core = wait_for(lambda: len(sim.tree()) == 2 and sim.tree()[1], 60, what="EngineCore")
-    wait_for(lambda: (root / "proc" / str(core) / "fdinfo" / "8").exists(), 60, what="the core's fdinfo")
+    core = wait_for(lambda: len(sim.tree()) == 2 and sim.tree()[1], STARTS, what="EngineCore")
+    wait_for(lambda: (root / "proc" / str(core) / "fdinfo" / "8").exists(), STARTS, what="the core's fdinfo")
     r = subprocess.run([sys.executable, "-m", "gpuguard", "status", "--sysfs-root", str(root)], capture_output=True,
                        text=True, timeout=60)
     assert "GPU processes:" in r.stdout, r.stdout + r.stderr

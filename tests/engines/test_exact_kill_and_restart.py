@@ -14,14 +14,12 @@ import pytest
 
 from gpuguard.engines.watchdog import EngineWatchdog
 
+from support import STARTS
+
 from engines_harness import DAEMON, alive, engine_cfg, free_port, run_watchdog_until, sim_env, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.network]  # registered in pyproject.toml
 
-
-# How long a simulated engine may take to start its processes: seconds when the machine is
-# quiet, over 15 s with a mutation run beside the suite on 2 cores (seen). A wait, not a bound.
-STARTS = 60
 
 CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.procs").exists() else Path("/sys/fs/cgroup")
 
