@@ -12,8 +12,8 @@ from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 
 # How long a daemon or a simulated engine may take to start its processes and be watched:
-# seconds on a quiet machine, over 15 s on 2 loaded cores (seen beside the mutation runs and
-# in the soak). A wait that returns as soon as the thing is there, never a bound on gpuguard.
+# seconds on a quiet machine, over 15 s on 2 loaded cores (seen with mutation runs beside
+# the suite). A wait that returns as soon as the thing is there, never a bound on gpuguard.
 STARTS = 60
 
 
