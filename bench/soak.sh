@@ -22,7 +22,8 @@ for _ in $(seq 1 300); do [ -s "$LOG.neighbour" ] && break; sleep 0.1; done
 } | tee "$LOG"
 for i in $(seq 1 "$RUNS"); do
   start=$(date +%s)
-  python3 -m pytest -q -p no:cacheprovider >"$LOG.run$i" 2>&1
+  # --durations: where a slow run spent its time, read from the log afterwards
+  python3 -m pytest -q -p no:cacheprovider --durations=30 >"$LOG.run$i" 2>&1
   rc=$?
   end=$(date +%s)
   summary=$(tail -1 "$LOG.run$i")
