@@ -41,8 +41,8 @@ control/auth.py    | *  | tests/service/test_auth_exact.py tests/service/test_au
 state/audit.py     | *  | tests/service/test_audit_exact.py tests/service/test_service_config_and_audit.py tests/service/test_api.py
 hw/pcie_p2p.py     | *  | tests/pcie --ignore=tests/pcie/test_cli.py
 hw/pcie_verdict.py | *  | tests/pcie --ignore=tests/pcie/test_cli.py
-hw/pcie_model.py   | PcieLink.* GpuPath.* GpuPair.* format_speed format_gbps | tests/pcie --ignore=tests/pcie/test_cli.py
-hw/pcie.py         | parse_link_speed parse_aer _role _link _root_bus_link _gpu_path _pair parse_resource parse_dpm_pcie kernel_vram is_gpu | tests/pcie --ignore=tests/pcie/test_cli.py
+hw/pcie_model.py   | PcieLink.* GpuPath.* GpuPair.* format_speed format_gbps | tests/pcie --ignore=tests/pcie/test_cli.py --ignore=tests/pcie/test_conditions.py
+hw/pcie.py         | parse_link_speed parse_aer _role _link _root_bus_link _gpu_path _pair parse_resource parse_dpm_pcie kernel_vram is_gpu | tests/pcie --ignore=tests/pcie/test_cli.py --ignore=tests/pcie/test_conditions.py
 '
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
