@@ -56,6 +56,8 @@ def test_speed_and_bandwidth_words():
     assert format_gbps(GEN4_X16) == "31.51 GB/s"
     assert format_gbps(1.234e9) == "1.23 GB/s"
     assert format_gbps(0.0) == "0.00 GB/s"
+    # Decimal gigabytes, exactly: just past a rounding edge, 1e9 + 1 would round down.
+    assert format_gbps(2_125_000_001) == "2.13 GB/s"
 
 
 def test_link_downgrade_bandwidth_and_whether_it_counts():

@@ -80,6 +80,15 @@ def test_resource_bars_exactly():
     assert str(e.value) == "resource line 1: expected 'start end flags', read '0x1 0x2'"
     with pytest.raises(ValueError):
         parse_resource("0x0 0x0 0x0 0x0\n")
+    long_line = "0x" + "f" * 70
+    with pytest.raises(ValueError) as e:
+        parse_resource(long_line + "\n")
+    assert str(e.value) == f"resource line 0: expected 'start end flags', read {long_line[:60]!r}"
+    # A zero range is no BAR, whatever its flags say.
+    assert parse_resource(f"0x0 0x0 0x{MEM32:x}\n0x1000 0x1fff 0x{MEM32:x}\n") == (Bar(1, 0x1000, False, False),)
+    # Prefetchable and 64-bit are those flag bits alone (IORESOURCE_PREFETCH, IORESOURCE_MEM_64).
+    assert parse_resource("0x1000 0x1fff 0x201\n0x2000 0x2fff 0x2200\n0x3000 0x3fff 0x100200\n") == (
+        Bar(0, 0x1000, False, False), Bar(1, 0x1000, True, False), Bar(2, 0x1000, False, True))
 
 
 def test_dpm_pcie_active_level():
@@ -91,6 +100,7 @@ def test_dpm_pcie_active_level():
 
 def test_kernel_vram_line_per_gpu():
     lines = [
+        "[    4.0] unrelated line first",
         "[    4.1] amdgpu 0000:aa:00.0: amdgpu: Detected VRAM RAM=24560M, BAR=256M",
         "[    4.2] amdgpu 0000:b0:00.0: amdgpu: Detected VRAM RAM=24560M, BAR=32768M",
         "[    4.3] amdgpu 0000:cc:00.0: amdgpu: Detected VRAM RAM=1M, BAR=1M",  # not a GPU walked
@@ -315,3 +325,49 @@ def test_root_port_atomics_note_names_why_they_are_unknown(pci_tree):
     assert on_bus.hops[0].link == PcieLink("pci0000:00", "0000:00:05.0", "external", 16.0, 16, 32.0, 16, None,
                                            True, False)
     assert (on_bus.narrowest, on_bus.slot_link) == (0, 0)
+
+
+def test_two_gpu_functions_below_one_root_port_meet_at_it(pci_tree):
+    t = pci_tree
+    t.add("0000:00:00.0", "pci0000:00", "1022:14a4", 0x060000)
+    t.add("0000:00:01.1", "pci0000:00", "1022:1483", 0x060400, port="root_port", cur=(16.0, 16), max=(16.0, 16))
+    for fn in ("0000:01:00.0", "0000:01:00.1"):
+        t.add(fn, "0000:00:01.1", "1002:744c", 0x030000, port="endpoint", cur=(16.0, 16), max=(16.0, 16),
+              driver="amdgpu")
+    rep = walk(SysfsRoot(str(t.base)))
+    p = rep.pair("0000:01:00.0", "0000:01:00.1")
+    assert (p.meet, p.at, p.at_ids, p.host_bridge) == ("root_port", "0000:00:01.1", "1022:1483", "1022:14a4")
+    assert p.meeting == "meet at root port 0000:00:01.1 (1022:1483)"
+
+
+def test_both_ends_of_a_downgraded_link_are_marked_and_a_missing_numa_node_is_no_error(pci_tree):
+    t = pci_tree
+    t.add("0000:00:00.0", "pci0000:00", "1022:14a4", 0x060000)
+    t.add("0000:00:01.1", "pci0000:00", "1022:1483", 0x060400, port="root_port", cur=(16.0, 16), max=(16.0, 16))
+    t.add("0000:01:00.0", "0000:00:01.1", "1002:744c", 0x030000, port="endpoint", cur=(8.0, 16), max=(16.0, 16),
+          driver="amdgpu", files={"resource": resource_text({})})
+    t.remove("0000:01:00.0", "numa_node")
+    g = walk(SysfsRoot(str(t.base))).gpu("0000:01:00.0")
+    assert [(h.bdf, h.downgraded) for h in g.hops] == [("0000:00:01.1", True), ("0000:01:00.0", True)]
+    assert g.numa_node is None
+    assert dict(g.errors) == {}  # an absent numa_node (no NUMA) is not a read problem
+
+
+def test_root_port_atomics_note_without_the_capability_or_its_second_registers(pci_tree):
+    t = pci_tree
+    t.add("0000:00:00.0", "pci0000:00", "8086:6f00", 0x060000)
+    t.add("0000:00:01.0", "pci0000:00", "8086:6f04", 0x060400, cur=(8.0, 16), max=(8.0, 16))  # no PCIe capability
+    t.add("0000:01:00.0", "0000:00:01.0", "1002:744c", 0x030000, port="endpoint", driver="amdgpu")
+    rp2 = t.add("0000:00:02.0", "pci0000:00", "8086:6f04", 0x060400, port="root_port", cur=(8.0, 16),
+                max=(8.0, 16), devcap2=ALL_ATOMICS)
+    t.add("0000:02:00.0", "0000:00:02.0", "1002:744c", 0x030000, port="endpoint", driver="amdgpu")
+    # A version 1 PCIe capability has no Device Capabilities 2 (the atomics bits live there).
+    data = bytearray((rp2 / "config").read_bytes())
+    data[0x80 + 0x02] = (data[0x80 + 0x02] & 0xF0) | 0x1
+    (rp2 / "config").write_bytes(bytes(data))
+    rep = walk(SysfsRoot(str(t.base)))
+    assert rep.gpu("0000:01:00.0").root_port_atomics_note == "unknown: 0000:00:01.0 has no PCI Express capability"
+    assert rep.gpu("0000:02:00.0").root_port_atomics_note == (
+        "unknown: 0000:00:02.0 PCIe capability has no Device Capabilities 2")
+    assert rep.gpu("0000:01:00.0").root_port_atomics is None
+    assert rep.gpu("0000:02:00.0").root_port_atomics is None
