@@ -100,6 +100,17 @@ def spawn():
     def start(argv: list[str], **kw) -> subprocess.Popen:
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
         procs.append(p)
+        # Popen returns once the exec has begun (its pipe closes on exec), but the new
+        # program's arguments appear in /proc/<pid>/cmdline a little later: beside a CPU
+        # hog a test read an empty command line there. Wait until they are visible.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if psutil.Process(p.pid).cmdline():
+                    break
+            except psutil.Error:
+                break  # gone already: the test sees that itself
+            time.sleep(0.005)
         return p
 
     yield start
@@ -119,9 +130,16 @@ def sleeper(tag: str) -> list[str]:
 
 
 def wait_children(pid: int, n: int) -> list[psutil.Process]:
-    deadline = time.monotonic() + 10
+    """`n` children of `pid` that have exec'd their own program. A child is listed from
+    its fork on, and until its exec it still shows the parent's command line: a loaded
+    machine (soak beside a CPU hog) caught one there and the GPU child was not matched."""
+    parent = psutil.Process(pid)
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        kids = psutil.Process(pid).children(recursive=True)
+        try:
+            kids = [k for k in parent.children(recursive=True) if k.cmdline() != k.parent().cmdline()]
+        except (psutil.NoSuchProcess, AttributeError):  # gone, or its parent gone (None)
+            kids = []
         if len(kids) >= n:
             return kids
         time.sleep(0.02)
