@@ -120,7 +120,9 @@ def test_nvidia_cards_are_applied_verified_refused_late_reapplied_and_api_applie
 
             # a card that appears late is applied when it appears
             nv.appears_after[2] = 0
-            await until(task, lambda: verified(tmp_path, "h200-c"), "h200-c verified")
+            # The audit record is written before the card's state is set (CI read `pending`
+            # between the two): wait for both.
+            await until(task, lambda: verified(tmp_path, "h200-c") and state(d, C) == "verified", "h200-c verified")
             assert "appeared" in verified(tmp_path, "h200-c")[0]["why"]
             assert nv.writes_of(2) == QUIET and state(d, C) == "verified"
             assert nv.writes_of(0) == QUIET  # the others were not written again
