@@ -19,9 +19,9 @@ from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, res
 from support import poll_until
 
 
-def spawn(code: str) -> subprocess.Popen:
+def spawn(code: str, *args: str) -> subprocess.Popen:
     """A Python child that prints `ready` once its signal handling is set up."""
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     return p
 
@@ -34,8 +34,8 @@ SLEEPS = "import time; print('ready', flush=True); time.sleep(60)"
 def started():
     procs: list[subprocess.Popen] = []
 
-    def start(code: str = SLEEPS) -> subprocess.Popen:
-        p = spawn(code)
+    def start(code: str = SLEEPS, *args: str) -> subprocess.Popen:
+        p = spawn(code, *args)
         procs.append(p)
         return p
 
@@ -137,7 +137,16 @@ def test_the_whole_tree_in_pid_order_and_never_ourselves(started):
                      "time.sleep(60)")
     kids = sorted(c.pid for c in psutil.Process(parent.pid).children())
     assert len(kids) == 2
-    res = asyncio.run(kill_engine((parent.pid, os.getpid()), grace=5.0))
+    # a SIGTERM to this process fails the test here (raised in the kill's own frame, before
+    # any SIGKILL) instead of ending the whole test run
+    def signalled_us(sig, frame):
+        raise AssertionError(f"kill_engine sent {signal.Signals(sig).name} to the test process itself")
+
+    previous = signal.signal(signal.SIGTERM, signalled_us)
+    try:
+        res = asyncio.run(kill_engine((parent.pid, os.getpid()), grace=5.0))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     everyone = tuple(sorted([parent.pid, *kids]))
     assert res.pids == everyone and os.getpid() not in res.pids
     assert res.signals == tuple(f"SIGTERM pid {p}" for p in everyone)
@@ -189,6 +198,45 @@ def _stop(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# A chain of N processes below the one started: each level starts the next and says `ready`
+# once everything below it has.
+CHAIN = """
+import subprocess, sys, time
+depth, me = int(sys.argv[1]), sys.argv[2]
+if depth:
+    below = subprocess.Popen([sys.executable, "-c", me, str(depth - 1), me], stdout=subprocess.PIPE, text=True)
+    below.stdout.readline()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_tree_is_every_descendant_not_only_the_children(started):
+    """An engine's worker's worker (vLLM: API server -> engine core -> its helpers) is killed
+    with it: the tree goes all the way down."""
+    top = started(CHAIN, "3", CHAIN)
+    chain = [psutil.Process(top.pid)]
+    while len(chain) < 4:
+        (below,) = chain[-1].children()
+        chain.append(below)
+    res = asyncio.run(kill_engine((top.pid,), grace=5.0))
+    everyone = tuple(sorted(p.pid for p in chain))
+    assert res.pids == everyone
+    assert res.signals == tuple(f"SIGTERM pid {p}" for p in everyone)
+    assert (res.escalated, res.gone, res.survivors) == (False, True, ())
+
+
+def test_the_processes_reported_after_sigkill_include_those_sigterm_ended(started):
+    """The SIGKILL round adds what appeared during the grace to the engine's processes; the
+    ones SIGTERM already ended stay in the report."""
+    stubborn, obliging = started(IGNORES_TERM), started()
+    res = asyncio.run(kill_engine((stubborn.pid, obliging.pid), grace=2.0))
+    both = tuple(sorted([stubborn.pid, obliging.pid]))
+    assert res.pids == both
+    assert res.signals == (*(f"SIGTERM pid {p}" for p in both), f"SIGKILL pid {stubborn.pid}")
+    assert (res.escalated, res.gone, res.survivors) == (True, True, ())
 
 
 def test_the_tree_reaches_grandchildren_and_a_pid_already_gone_stops_nothing(started):

@@ -434,6 +434,31 @@ def test_a_units_processes_include_its_cgroup_found_through_systemd(systemctl, t
         folder.rmdir()
 
 
+@pytest.mark.root
+@pytest.mark.skipif(_cgroup_base() is None, reason="needs root and a writable cgroup hierarchy under /sys/fs/cgroup")
+def test_a_units_cgroup_that_systemd_names_later_than_two_seconds_is_not_waited_for(systemctl):
+    """The unit's cgroup exists, but systemctl takes 2.4 s to name it: past its 2 s the
+    lookup gives up, and the engine's processes are its tree alone."""
+    base = _cgroup_base()
+    name = f"gpuguard-test-{uuid.uuid4().hex[:8]}.scope"
+    folder = base / name
+    folder.mkdir()
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    helper = subprocess.Popen(["sleep", "60"])
+    try:
+        for p in (main, helper):
+            (folder / "cgroup.procs").write_text(f"{p.pid}\n")
+        systemctl(mainpid=str(main.pid), cgroup=f"/{name}", cgroup_sleep="2.4")
+        procs = resolve(cfg(systemd_unit="gpuguard-test.service"))
+        assert (procs.main_pid, procs.pids, procs.cgroup) == (main.pid, (main.pid,), None)
+    finally:
+        for p in (main, helper):
+            p.kill()
+            p.wait(5)
+        poll_until(lambda: not (folder / "cgroup.procs").read_text().split(), 10, "the test cgroup empty")
+        folder.rmdir()
+
+
 @pytest.mark.parametrize("answer", [dict(cgroup=""), dict(cgroup="/no-such.scope"), dict(cgroup="/x.scope", cgroup_rc="1")])
 def test_a_unit_without_a_cgroup_systemd_can_show_is_its_process_tree(systemctl, answer):
     main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -166,6 +166,7 @@ def test_a_card_without_an_amdgpu_hwmon(rig):
     # one transient failure is enough, whatever fails after it
     ({"/pp_od_clk_voltage": errno.EPERM, "/power1_cap_max": errno.EIO}, True),
     ({"/power1_cap_min": errno.EPERM, "/power1_cap_max": errno.EIO}, True),
+    ({"/pp_od_clk_voltage": errno.EBUSY, "/power_dpm_force_performance_level": errno.EIO}, True),
 ])
 def test_a_read_failing_with_eperm_ebusy_or_eagain_means_asleep_or_resetting(rig, fail, transient):
     r = rig()
@@ -689,6 +690,23 @@ def test_waking_waits_for_the_card_to_be_active(rig):
     assert r.sleeps == [0.02, 0.02, 0.02]
     assert r.root.ok()[-1] == (CONTROL, "auto")
     assert r.audit[0] == _write(CONTROL, "on", "keep the card awake while applying (why)")
+
+
+def test_a_card_whose_runtime_status_cannot_be_read_while_waking_is_still_put_back(rig):
+    """The wait for `active` ends at the first unreadable runtime_status; the card was
+    woken all the same, so its power control is restored after the apply."""
+    r = rig()
+    real = r.root.read_bytes
+
+    def runtime_status_fails_once_woken(rel):
+        if rel.endswith("/power/runtime_status") and r.root.writes:
+            raise SysfsError(rel, errno.EIO)
+        return real(rel)
+
+    r.root.read_bytes = runtime_status_fails_once_woken
+    assert r.applier.apply(T, "cap", Profile(power_cap_w=250), "test", "why").verified
+    assert r.sleeps == []
+    assert r.root.ok() == [(CONTROL, "on"), (CAP, "250000000"), (CONTROL, "auto")]
 
 
 @pytest.mark.slow
