@@ -103,6 +103,18 @@ class SimEngine:
             pass
 
 
+def stopped(pid: int) -> bool:
+    """Every thread of `pid` in the stopped state ('T'). `kill(SIGSTOP)` returns once the
+    signal is queued: a thread that is not yet scheduled (a loaded machine) still runs,
+    and one woken by something else meanwhile (its pipe closing) can act, or exit, first."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        return bool(tasks) and all(
+            Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
+    except (OSError, IndexError):
+        return False
+
+
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

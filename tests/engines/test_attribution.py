@@ -17,7 +17,7 @@ from gpuguard.engines.metrics import engine_metrics
 from gpuguard.engines.watchdog import EngineWatchdog
 from gpuguard.hw.nvml import NvmlSource, RecordedNvml
 
-from engines_harness import alive, engine_cfg, run_watchdog_until, wait_for
+from engines_harness import alive, engine_cfg, run_watchdog_until, stopped, wait_for
 from support import STARTS
 import pytest
 
@@ -103,8 +103,12 @@ def test_sim_engine_gpu_from_fdinfo_metric_and_vram_held_after_it_is_gone(tmp_pa
                 if fam.name == "gpuguard_gpu_process_vram_bytes" for x in fam.samples}
         assert rows == {(("comm", "VLLM::EngineCor"), ("engine", "v"), ("gpu", "r9700-a"), ("pid", str(core))):
                         512 * 2**20}, rows
-        # the EngineCore wedged in the driver (stopped: it cannot exit), the API server dies
+        # the EngineCore wedged in the driver (stopped: it cannot exit), the API server dies.
+        # Only once the core has stopped: its stdin thread exits the core when the API server's
+        # end of the pipe closes, and beside a busy neighbour that thread ran before the stop
+        # took hold (the core gone, rightly no alert: 2 of 30 tries beside 4 CPU hogs)
         os.kill(core, signal.SIGSTOP)
+        await asyncio.to_thread(wait_for, lambda: stopped(core), STARTS, what="the core stopped")
         os.kill(sim.pid, signal.SIGKILL)
         return await run_watchdog_until(wd, lambda: [e for e in events if e.kind == "engine_vram_held"], 20)
 
