@@ -405,58 +405,52 @@ def _cgroup_base() -> Path | None:
     return None
 
 
+@pytest.fixture
+def unit_cgroup():
+    """A real cgroup (a `.scope` folder under the host's hierarchy) holding a main process
+    and a helper that is no child of it: (folder, its ControlGroup value, main, helper)."""
+    base = _cgroup_base()
+    if base is None:
+        pytest.skip("needs root and a writable cgroup hierarchy under /sys/fs/cgroup")
+    name = f"gpuguard-test-{uuid.uuid4().hex[:8]}.scope"
+    folder = base / name
+    folder.mkdir()
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    helper = subprocess.Popen(["sleep", "60"])
+    try:
+        for p in (main, helper):
+            (folder / "cgroup.procs").write_text(f"{p.pid}\n")
+        yield folder, f"/{name}", main, helper
+    finally:
+        for p in (main, helper):
+            p.kill()
+            p.wait(5)
+        poll_until(lambda: not (folder / "cgroup.procs").read_text().split(), 10, "the test cgroup empty")
+        folder.rmdir()
+
+
 @pytest.mark.root
-@pytest.mark.skipif(_cgroup_base() is None, reason="needs root and a writable cgroup hierarchy under /sys/fs/cgroup")
-def test_a_units_processes_include_its_cgroup_found_through_systemd(systemctl, tmp_path):
+def test_a_units_processes_include_its_cgroup_found_through_systemd(systemctl, unit_cgroup):
     """`systemd_unit`: the main PID and the unit's cgroup (ControlGroup, under the unified,
     v2 or name=systemd tree): a helper in the cgroup that is no child of the engine is one
     of the engine's processes."""
-    base = _cgroup_base()
-    name = f"gpuguard-test-{uuid.uuid4().hex[:8]}.scope"
-    folder = base / name
-    folder.mkdir()
-    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    helper = subprocess.Popen(["sleep", "60"])
-    try:
-        for p in (main, helper):
-            (folder / "cgroup.procs").write_text(f"{p.pid}\n")
-        systemctl(mainpid=str(main.pid), cgroup=f"/{name}")
-        procs = resolve(cfg(systemd_unit="gpuguard-test.service"))
-        assert (procs.main_pid, procs.cgroup) == (main.pid, folder)
-        assert procs.pids == (main.pid, helper.pid)
-        assert systemctl.calls() == ["show -p MainPID --value gpuguard-test.service",
-                                     "show -p ControlGroup --value gpuguard-test.service"]
-    finally:
-        for p in (main, helper):
-            p.kill()
-            p.wait(5)
-        poll_until(lambda: not (folder / "cgroup.procs").read_text().split(), 10, "the test cgroup empty")
-        folder.rmdir()
+    folder, control_group, main, helper = unit_cgroup
+    systemctl(mainpid=str(main.pid), cgroup=control_group)
+    procs = resolve(cfg(systemd_unit="gpuguard-test.service"))
+    assert (procs.main_pid, procs.cgroup) == (main.pid, folder)
+    assert procs.pids == (main.pid, helper.pid)
+    assert systemctl.calls() == ["show -p MainPID --value gpuguard-test.service",
+                                 "show -p ControlGroup --value gpuguard-test.service"]
 
 
 @pytest.mark.root
-@pytest.mark.skipif(_cgroup_base() is None, reason="needs root and a writable cgroup hierarchy under /sys/fs/cgroup")
-def test_a_units_cgroup_that_systemd_names_later_than_two_seconds_is_not_waited_for(systemctl):
+def test_a_units_cgroup_that_systemd_names_later_than_two_seconds_is_not_waited_for(systemctl, unit_cgroup):
     """The unit's cgroup exists, but systemctl takes 2.4 s to name it: past its 2 s the
     lookup gives up, and the engine's processes are its tree alone."""
-    base = _cgroup_base()
-    name = f"gpuguard-test-{uuid.uuid4().hex[:8]}.scope"
-    folder = base / name
-    folder.mkdir()
-    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    helper = subprocess.Popen(["sleep", "60"])
-    try:
-        for p in (main, helper):
-            (folder / "cgroup.procs").write_text(f"{p.pid}\n")
-        systemctl(mainpid=str(main.pid), cgroup=f"/{name}", cgroup_sleep="2.4")
-        procs = resolve(cfg(systemd_unit="gpuguard-test.service"))
-        assert (procs.main_pid, procs.pids, procs.cgroup) == (main.pid, (main.pid,), None)
-    finally:
-        for p in (main, helper):
-            p.kill()
-            p.wait(5)
-        poll_until(lambda: not (folder / "cgroup.procs").read_text().split(), 10, "the test cgroup empty")
-        folder.rmdir()
+    folder, control_group, main, helper = unit_cgroup
+    systemctl(mainpid=str(main.pid), cgroup=control_group, cgroup_sleep="2.4")
+    procs = resolve(cfg(systemd_unit="gpuguard-test.service"))
+    assert (procs.main_pid, procs.pids, procs.cgroup) == (main.pid, (main.pid,), None)
 
 
 @pytest.mark.parametrize("answer", [dict(cgroup=""), dict(cgroup="/no-such.scope"), dict(cgroup="/x.scope", cgroup_rc="1")])
