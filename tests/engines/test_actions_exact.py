@@ -162,6 +162,18 @@ def test_a_pid_already_gone_is_not_signalled(started):
 
 
 
+def test_the_kill_looks_every_20_ms_so_it_ends_soon_after_the_engine(started):
+    """An engine that takes 0.1 s to exit on SIGTERM: the kill sees it gone within a few
+    20 ms looks, not a second later (the watchdog's kill time is in its audit record)."""
+    p = started("import signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.1), sys.exit(0)))\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(60)")
+    res = asyncio.run(kill_engine((p.pid,), grace=5.0))
+    assert (res.signals, res.escalated, res.gone) == ((f"SIGTERM pid {p.pid}",), False, True)
+    assert 0.1 <= res.seconds < 0.9, res.seconds
+
+
 def test_the_default_wait_after_sigkill_is_five_seconds():
     import inspect
 
