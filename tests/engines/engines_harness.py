@@ -107,12 +107,14 @@ def stopped(pid: int) -> bool:
     """Every thread of `pid` in the stopped state ('T'). `kill(SIGSTOP)` returns once the
     signal is queued: a thread that is not yet scheduled (a loaded machine) still runs,
     and one woken by something else meanwhile (its pipe closing) can act, or exit, first."""
+    from gpuguard.engines.process import read_proc_stat
+
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        return bool(tasks) and all(
-            Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
-    except (OSError, IndexError):
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
         return False
+    # a thread's /proc/TID is not listed but readable: its stat holds that thread's state
+    return bool(tids) and all((st := read_proc_stat(t)) is not None and st.state == "T" for t in tids)
 
 
 def alive(pid: int) -> bool:

@@ -252,7 +252,7 @@ def test_the_processes_reported_after_sigkill_include_those_sigterm_ended(starte
 
 
 def test_the_tree_reaches_grandchildren_and_a_pid_already_gone_stops_nothing(started):
-    """Descendants at any depth; a PID that no longer exists, iterated first, does not end
+    """The tree below a PID in the middle; a PID that no longer exists, iterated first, does not end
     the walk of the others."""
     parent = started("import subprocess, sys, time\n"
                      "child = subprocess.Popen([sys.executable, '-c', 'import subprocess, sys, time; "
