@@ -113,7 +113,7 @@ def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float) -> dict:
         gport, nport = free_port(), free_port()
         cfg = os.path.join(tmp, "gpuguard.yaml")
         with open(cfg, "w") as f:
-            f.write(f"state_dir: {tmp}/state\nlisten: {{address: 127.0.0.1, port: {gport}}}\n")
+            f.write(f"state_dir: {tmp}/state\nlisten: {{address: 127.0.0.1, port: {gport}}}\n" + os.environ.get("GG_EXTRA", ""))
         env = dict(os.environ, PYTHONPATH=os.path.join(HERE, "..", "daemon"))
         env.pop("NOTIFY_SOCKET", None)
         gg = subprocess.Popen([sys.executable, "-m", "gpuguard", "run", "--config", cfg, "--sysfs-root", tree],

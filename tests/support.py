@@ -18,11 +18,16 @@ STARTS = 60
 
 
 def api_routes(app) -> list:
-    """Every path operation of a FastAPI app, whatever routers it was put together from:
-    FastAPI 0.137.2 and later keep an included router as one node of `app.routes`
-    (`iter_route_contexts` flattens them), older ones copy its routes in. Each item has
-    `.path`, `.methods` and `.path_regex`."""
+    """Every path operation of the daemon's app (sinks/api.Api: its Starlette read routes
+    and its FastAPI control app's routes) or of a FastAPI app, whatever routers it was put
+    together from: FastAPI 0.137.2 and later keep an included router as one node of
+    `app.routes` (`iter_route_contexts` flattens them), older ones copy its routes in.
+    Each item has `.path`, `.methods` and `.path_regex`."""
     from fastapi.routing import APIRoute
+    from starlette.routing import Route
+
+    if hasattr(app, "reads"):
+        return [r for r in app.reads.routes if isinstance(r, Route)] + api_routes(app.control())
 
     try:
         from fastapi.routing import iter_route_contexts

@@ -59,6 +59,12 @@ from gpuguard.state.state_dir import StateDir, StateDirLocked, report_to
 log = logging.getLogger("gpuguard")
 
 
+# No websockets (uvicorn would import a websocket library if one is installed) and a
+# plain ASGI 3 app (no detection by inspecting it).
+SERVER_OPTIONS: dict[str, Any] = dict(log_level="warning", lifespan="off", access_log=False, ws="none",
+                                      interface="asgi3")
+
+
 class _Server(uvicorn.Server):
     # The daemon owns the process's signals (SIGHUP reload, SIGTERM stop).
     @contextlib.contextmanager
@@ -453,9 +459,7 @@ class Daemon:
             self.app,
             host=self.config.listen.address,
             port=self.config.listen.port,
-            log_level="warning",
-            lifespan="off",
-            access_log=False,
+            **SERVER_OPTIONS,
         )
         self.server = _Server(cfg)
         self.tasks.append(asyncio.create_task(self.server.serve(), name="http"))
@@ -483,7 +487,7 @@ class Daemon:
             raise RuntimeError(f"cannot listen on api.unix_socket {path}: {e.strerror}") from None
         finally:
             os.umask(old)
-        self.unix_server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False))
+        self.unix_server = _Server(uvicorn.Config(self.app, **SERVER_OPTIONS))
         self.tasks.append(asyncio.create_task(self.unix_server.serve(sockets=[sock]), name="http-unix"))
         while not self.unix_server.started:
             if self.tasks[-1].done():

@@ -47,7 +47,8 @@ queries = st.dictionaries(st.sampled_from(["since", "limit", "x"]),
 
 
 def _routes(app):
-    return [(m, r.path) for r in api_routes(app) for m in sorted(r.methods)]
+    # HEAD is GET without the body (the read routes answer both): fuzzing GET covers it
+    return [(m, r.path) for r in api_routes(app) for m in sorted(r.methods) if m != "HEAD"]
 
 
 def test_no_request_gets_a_500(api, tokens):

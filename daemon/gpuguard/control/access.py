@@ -1,5 +1,5 @@
-"""What every API route checks before it answers or acts, as FastAPI dependencies and
-helpers shared by the read routes (sinks/read_api.py) and the action routes
+"""What every API route checks before it answers or acts, as plain functions of the
+request (the action routes use them as FastAPI dependencies) and helpers shared by the read routes (sinks/read_api.py) and the action routes
 (control/routes.py): the caller's bearer token (control/auth.py), whether reads need one
 here, that a path parameter is a name and a known one, and that a provider is registered.
 
@@ -12,7 +12,8 @@ import logging
 import re
 from typing import Any, Callable
 
-from fastapi import HTTPException, Request
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 
 from gpuguard.control.actions import Actions
 from gpuguard.control.auth import AccessPolicy, Caller, TokenStore, bearer_token
@@ -49,9 +50,8 @@ def require_token(request: Request) -> Caller:
         raise
 
 
-async def read_access(request: Request) -> None:
-    # async: FastAPI runs a plain def dependency on its thread pool, a thread handoff per
-    # read for what is a comparison in memory
+def read_access(request: Request) -> None:
+    """401 when reads need a token here and the request has none that matches."""
     policy: AccessPolicy = request.app.state.policy
     if policy.reads_need_token:
         require_token(request)

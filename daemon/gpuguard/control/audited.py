@@ -8,7 +8,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from fastapi import HTTPException, Request
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 
 from gpuguard.control.actions import ActionRefused
 from gpuguard.control.auth import Caller

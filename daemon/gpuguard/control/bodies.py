@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import HTTPException, Request
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuguard.control.access import NAME_RE

@@ -10,13 +10,16 @@ import asyncio
 import inspect
 from typing import Any, Awaitable, Callable
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 
 from gpuguard.control.access import check_name, known_gpu, need, require_token
 from gpuguard.control.actions import Actions
 from gpuguard.control.audited import ActionContext, audited
 from gpuguard.control.auth import Caller
 from gpuguard.control.bodies import ApplyBody, ReasonBody, body_doc, parse_body
+from gpuguard.control.paths import APPLY, CONFIRM, KILL, QUARANTINE, RESET, RESTART
 
 router = APIRouter()
 
@@ -56,7 +59,7 @@ def _gpu_evidence(request: Request, name: str) -> dict[str, Any]:
                     "od": None if g.od is None else dict(g.od.settings)}}
 
 
-@router.post("/v1/gpus/{gpu}/apply", openapi_extra=body_doc(ApplyBody, True))
+@router.post(APPLY, openapi_extra=body_doc(ApplyBody, True))
 async def post_apply(gpu: str, request: Request, caller: Caller = Depends(require_token)) -> dict[str, Any]:
     """Apply a profile (provider: apply + read back). With `confirm_within` the state
     before is restored unless POST .../confirm arrives in time."""
@@ -94,7 +97,7 @@ async def post_apply(gpu: str, request: Request, caller: Caller = Depends(requir
     return await audited(request, caller, "gpu.apply", ctx, run)
 
 
-@router.post("/v1/gpus/{gpu}/confirm", openapi_extra=body_doc(ReasonBody, False))
+@router.post(CONFIRM, openapi_extra=body_doc(ReasonBody, False))
 async def post_confirm(gpu: str, request: Request, caller: Caller = Depends(require_token)) -> dict[str, Any]:
     """Keep the profile applied with `confirm_within` (stops its revert timer)."""
     ctx = ActionContext(gpu)
@@ -148,23 +151,23 @@ _restart = _simple_action("engine.restart", "engine", "restart_engine", "engines
 _quarantine = _simple_action("cache.quarantine", "cache", "quarantine_cache", "caches")
 
 
-@router.post("/v1/gpus/{gpu}/reset", openapi_extra=body_doc(ReasonBody, False))
+@router.post(RESET, openapi_extra=body_doc(ReasonBody, False))
 async def post_reset(gpu: str, request: Request, caller: Caller = Depends(require_token)) -> dict[str, Any]:
     """Back to stock OD values and the default power cap (never a PCI reset)."""
     return await _reset(gpu, request, caller)
 
 
-@router.post("/v1/engines/{engine}/kill", openapi_extra=body_doc(ReasonBody, False))
+@router.post(KILL, openapi_extra=body_doc(ReasonBody, False))
 async def post_kill(engine: str, request: Request, caller: Caller = Depends(require_token)) -> dict[str, Any]:
     return await _kill(engine, request, caller)
 
 
-@router.post("/v1/engines/{engine}/restart", openapi_extra=body_doc(ReasonBody, False))
+@router.post(RESTART, openapi_extra=body_doc(ReasonBody, False))
 async def post_restart(engine: str, request: Request, caller: Caller = Depends(require_token)) -> dict[str, Any]:
     return await _restart(engine, request, caller)
 
 
-@router.post("/v1/caches/{cache}/quarantine", openapi_extra=body_doc(ReasonBody, False))
+@router.post(QUARANTINE, openapi_extra=body_doc(ReasonBody, False))
 async def post_quarantine(cache: str, request: Request, caller: Caller = Depends(require_token)) -> dict[str, Any]:
     """Rename the cache folder aside, never delete it (INCIDENTS §7)."""
     return await _quarantine(cache, request, caller)

@@ -6,7 +6,7 @@ incident reports rendered on demand (`GET /report?event=ID|at=T`, the same repor
 (`GET /incident?name=NAME`, the report of `gpuguard report --incident NAME`; NAME as
 `GET /v1/incidents` lists it, never a path).
 
-Same access rules as the read API (control/access.py `read_access`); the page's actions go
+Same access rules as the read API (sinks/read_api.py `read_route`); the page's actions go
 through the existing POST endpoints with the bearer token the user types in — nothing here
 changes state, and nothing is ever done from a GET.
 
@@ -27,11 +27,13 @@ from importlib import resources
 from typing import Callable
 from urllib.parse import quote
 
-from fastapi import Depends, FastAPI, HTTPException, Query
-from fastapi.responses import HTMLResponse, Response
+from pydantic import Field
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
 
-from gpuguard.control.access import read_access
 from gpuguard.report.history import ENGINE_SERIES, GPU_SERIES, FlightLog, HistoryError
+from gpuguard.sinks.read_api import Query, query, read_route
 from gpuguard.sinks.recorder import FlightRecorder
 
 ASSETS = {"page.js": "text/javascript", "page.css": "text/css", "favicon.svg": "image/svg+xml"}
@@ -146,10 +148,28 @@ def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str 
     return {"start": start, "end": end, "step": step, "gpus": gpus, "engines": engines, "events": events}
 
 
-def mount_page(app: FastAPI, recorder: Callable[[], FlightRecorder | None]) -> None:
-    """Add the page's routes to the daemon's app. `recorder()` is the running flight
-    recorder, or None when `recorder.enabled` is off (history answers 501 then)."""
-    read = [Depends(read_access)]
+class HistoryQuery(Query):
+    since: float | None = Field(None, description="unix time (default: 15 minutes ago)")
+    until: float | None = Field(None, description="unix time (default: now)")
+    points: int = Field(300, ge=10, le=5000, description="at most this many points per series")
+    gpu: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+class ReportQuery(Query):
+    event: int | None = Field(None, ge=1)
+    at: float | None = None
+    before: float = Field(120, ge=1, le=86400)
+    after: float = Field(60, ge=0, le=86400)
+
+
+class IncidentQuery(Query):
+    name: str = Field(max_length=200)
+
+
+def mount_page(app, recorder: Callable[[], FlightRecorder | None]) -> None:
+    """Add the page's routes to the daemon's app (sinks/api.Api). `recorder()` is the
+    running flight recorder, or None when `recorder.enabled` is off (history answers 501
+    then)."""
     cache = BucketCache()
 
     def flight() -> FlightLog:
@@ -158,79 +178,79 @@ def mount_page(app: FastAPI, recorder: Callable[[], FlightRecorder | None]) -> N
             raise HTTPException(501, detail="the flight recorder is off (recorder.enabled: false): no history")
         return FlightLog(rec.query, rec.path)
 
-    @app.get("/", include_in_schema=False, dependencies=read)
-    def index() -> Response:
+    def index(request: Request) -> Response:
         return Response(_index_html(), media_type="text/html; charset=utf-8",
                         headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache"})
 
-    @app.get("/page/{name}", include_in_schema=False, dependencies=read)
-    def asset(name: str, v: str | None = None) -> Response:
+    def asset(request: Request) -> Response:
+        name = request.path_params["name"]
         if name not in ASSETS:
             raise HTTPException(404, detail=f"no page asset named {name!r}")
         body = _asset(name)
         # the URL index.html names carries the content's hash: that copy never changes
+        v = request.query_params.get("v")
         fixed = v is not None and v == hashlib.sha256(body).hexdigest()[:16]
         return Response(body, media_type=ASSETS[name],
                         headers={"Cache-Control": "max-age=31536000, immutable" if fixed else "no-cache"})
 
-    @app.get("/v1/history", dependencies=read)
-    def history(
-        since: float | None = Query(None, description="unix time (default: 15 minutes ago)"),
-        until: float | None = Query(None, description="unix time (default: now)"),
-        points: int = Query(300, ge=10, le=5000, description="at most this many points per series"),
-        gpu: str | None = Query(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$"),
-    ) -> Response:
-        end = until if until is not None else time.time()
-        start = since if since is not None else end - 900
+    def history(request: Request) -> Response:
+        q = query(request, HistoryQuery)
+        end = q.until if q.until is not None else time.time()
+        start = q.since if q.since is not None else end - 900
         if start > end:
             raise HTTPException(422, detail=f"since ({start}) is after until ({end})")
         try:
-            doc = bucketed(flight(), start, end, points, gpu, cache)
+            doc = bucketed(flight(), start, end, q.points, q.gpu, cache)
         except HistoryError as e:
             raise HTTPException(500, detail=str(e)) from None
-        # plain json.dumps: FastAPI's encoder walks every one of the ~30 000 numbers
+        # plain json.dumps: no encoder walking every one of the ~30 000 numbers
         return Response(json.dumps(doc, separators=(",", ":")), media_type="application/json")
 
-    def _report(event: int | None, at: float | None, before: float, after: float, png_name: str | None = None):
+    def _report(q: ReportQuery, png_name: str | None = None):
         from gpuguard.report.make import make_report
 
-        if event is None and at is None:
+        if q.event is None and q.at is None:
             raise HTTPException(422, detail="say which moment: ?event=ID or ?at=UNIXTIME")
         try:
-            return make_report(flight(), event_id=event, at=at, before=before, after=after, png_name=png_name)
+            return make_report(flight(), event_id=q.event, at=q.at, before=q.before, after=q.after, png_name=png_name)
         except HistoryError as e:
             raise HTTPException(404, detail=str(e)) from None
 
-    @app.get("/report", include_in_schema=False, dependencies=read)
-    def report(event: int | None = Query(None, ge=1), at: float | None = None,
-               before: float = Query(120, ge=1, le=86400), after: float = Query(60, ge=0, le=86400)) -> HTMLResponse:
-        query = "&".join(f"{k}={v}" for k, v in (("event", event), ("at", at), ("before", before), ("after", after))
-                         if v is not None)
-        rep = _report(event, at, before, after, png_name=f"/report.png?{query}")
+    def report(request: Request) -> HTMLResponse:
+        q = query(request, ReportQuery)
+        args = "&".join(f"{k}={v}" for k, v in (("event", q.event), ("at", q.at), ("before", q.before),
+                                                  ("after", q.after)) if v is not None)
+        rep = _report(q, png_name=f"/report.png?{args}")
         return HTMLResponse(rep.html, headers={"Content-Security-Policy": REPORT_CSP})
 
-    @app.get("/report.png", include_in_schema=False, dependencies=read)
-    def report_png(event: int | None = Query(None, ge=1), at: float | None = None,
-                   before: float = Query(120, ge=1, le=86400), after: float = Query(60, ge=0, le=86400)) -> Response:
-        return Response(_report(event, at, before, after).png, media_type="image/png")
+    def report_png(request: Request) -> Response:
+        return Response(_report(query(request, ReportQuery)).png, media_type="image/png")
 
-    def _incident(name: str, png_name: str | None = None):
+    def _incident(request: Request, png: bool = False):
         from gpuguard.report.incident import BundleError, make_incident_report
 
-        provider = getattr(app.state.actions, "incidents", None)
+        name = query(request, IncidentQuery).name
+        provider = getattr(request.app.state.actions, "incidents", None)
         listed = {b["name"]: b["path"] for b in (provider() if provider is not None else [])}
         if name not in listed:  # only a listed bundle: the name is never joined into a path
             raise HTTPException(404, detail=f"no incident bundle named {name!r} (GET /v1/incidents lists them)")
         try:
-            return make_incident_report(listed[name], png_name=png_name)
+            return make_incident_report(listed[name], png_name=None if png else f"/incident.png?name={quote(name)}")
         except BundleError as e:
             raise HTTPException(404, detail=str(e)) from None
 
-    @app.get("/incident", include_in_schema=False, dependencies=read)
-    def incident(name: str = Query(..., max_length=200)) -> HTMLResponse:
-        rep = _incident(name, png_name=f"/incident.png?name={quote(name)}")
-        return HTMLResponse(rep.html, headers={"Content-Security-Policy": REPORT_CSP})
+    def incident(request: Request) -> HTMLResponse:
+        return HTMLResponse(_incident(request).html, headers={"Content-Security-Policy": REPORT_CSP})
 
-    @app.get("/incident.png", include_in_schema=False, dependencies=read)
-    def incident_png(name: str = Query(..., max_length=200)) -> Response:
-        return Response(_incident(name).png, media_type="image/png")
+    def incident_png(request: Request) -> Response:
+        return Response(_incident(request, png=True).png, media_type="image/png")
+
+    app.add_reads([
+        read_route("/", index, blocking=True),
+        read_route("/page/{name}", asset, blocking=True),
+        read_route("/v1/history", history, blocking=True),
+        read_route("/report", report, blocking=True),
+        read_route("/report.png", report_png, blocking=True),
+        read_route("/incident", incident, blocking=True),
+        read_route("/incident.png", incident_png, blocking=True),
+    ])

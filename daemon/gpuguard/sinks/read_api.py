@@ -1,32 +1,61 @@
-"""The API's read routes: `/metrics`, `/healthz` and the GETs under `/v1/`. Each serves
-the hub's latest state or a provider's in-memory view (control/actions.py read
-providers) and never touches hardware. `/healthz` is always open; the others need a token
-when the daemon listens beyond loopback without `api.open_reads` (control/access.py)."""
+"""The API's read routes: `/healthz` and the GETs under `/v1/` (`/metrics` is answered
+ahead of any routing, sinks/api.py). Each serves the hub's latest state or a provider's
+in-memory view (control/actions.py read providers) and never touches hardware.
+`/healthz` is always open; the others need a token when the daemon listens beyond
+loopback without `api.open_reads` (control/access.py).
+
+Plain Starlette routes, not FastAPI: the reads are what a host does all day (the page,
+`gpuguard status`, scripts), and FastAPI with the models it builds is 11 MiB and a
+third of a request's CPU (issue 15); the control routes stay FastAPI (control/routes.py).
+Query parameters are validated by pydantic models and refused the way FastAPI refuses
+them: 422, `{"detail": [{"loc": ["query", NAME], "msg", "type"}]}`."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from gpuguard.control.access import known_gpu, need, read_access
-from gpuguard.sinks.metrics import CONTENT_TYPE
 from gpuguard.sinks.status import status_document
 from gpuguard.state.audit import jsonable
 
-router = APIRouter()
-read = [Depends(read_access)]
+
+class Query(BaseModel):
+    """A route's query parameters; unknown ones are ignored (as FastAPI does)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-@router.get("/metrics", include_in_schema=False, dependencies=read)
-async def get_metrics(request: Request) -> Response:
-    # on the loop, not the thread pool: the render formats memory only (2-10 ms, blocks
-    # served as rendered when unchanged), and a worker thread would hold the GIL for it
-    # anyway, plus two thread handoffs a scrape
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+def query(request: Request, model: type[Query]) -> Any:
+    """The request's query parameters as `model`; 422 naming each bad one."""
+    try:
+        return model.model_validate(dict(request.query_params))
+    except ValidationError as e:
+        raise HTTPException(422, detail=[
+            {"loc": ["query", *err["loc"]], "msg": err["msg"], "type": err["type"]}
+            for err in e.errors(include_url=False, include_input=False, include_context=False)
+        ]) from None
 
 
-@router.get("/healthz")
+def read_route(path: str, fn: Callable[[Request], Any], *, open_: bool = False, blocking: bool = False) -> Route:
+    """GET `path` answered by `fn(request)`: a Response, or a document sent as JSON.
+    `blocking` runs it on the thread pool (disk, SQLite); in-memory reads run on the loop
+    (a thread handoff costs more than they do). Not `open_`: the read access rule first."""
+
+    async def endpoint(request: Request) -> Response:
+        if not open_:
+            read_access(request)
+        doc = await run_in_threadpool(fn, request) if blocking else fn(request)
+        return doc if isinstance(doc, Response) else JSONResponse(doc)
+
+    return Route(path, endpoint, methods=["GET"], name=getattr(fn, "__name__", path))
+
+
 def healthz(request: Request) -> dict[str, Any]:
     hub = request.app.state.hub
     last = hub.last_poll.get("gpu")
@@ -37,32 +66,30 @@ def healthz(request: Request) -> dict[str, Any]:
     return doc
 
 
-@router.get("/v1/status", dependencies=read)
 def get_status(request: Request) -> dict[str, Any]:
     doc = status_document(request.app.state.hub)
     doc["pending_confirm"] = {g: p.to_dict() for g, p in request.app.state.confirm.pending.items()}
     return doc
 
 
-@router.get("/v1/gpus", dependencies=read)
 def get_gpus(request: Request) -> list[dict[str, Any]]:
     snap = request.app.state.hub.snapshot
     return [g.to_dict() for g in snap.gpus] if snap else []
 
 
-@router.get("/v1/gpus/{gpu}", dependencies=read)
-def get_gpu(gpu: str, request: Request) -> dict[str, Any]:
-    name = known_gpu(request, gpu)
+def get_gpu(request: Request) -> dict[str, Any]:
+    name = known_gpu(request, request.path_params["gpu"])
     return request.app.state.hub.snapshot.gpu(name).to_dict()
 
 
-@router.get("/v1/events", dependencies=read)
-def get_events(
-    request: Request,
-    since: float | None = Query(None, description="unix time; events at or after it"),
-    limit: int = Query(1000, ge=1, le=10000, description="the newest N"),
-) -> list[dict[str, Any]]:
-    return [e.to_dict() for e in request.app.state.hub.recent_events(since)][-limit:]
+class EventsQuery(Query):
+    since: float | None = Field(None, description="unix time; events at or after it")
+    limit: int = Field(1000, ge=1, le=10000, description="the newest N")
+
+
+def get_events(request: Request) -> list[dict[str, Any]]:
+    q = query(request, EventsQuery)
+    return [e.to_dict() for e in request.app.state.hub.recent_events(q.since)][-q.limit:]
 
 
 def _provided(request: Request, name: str) -> Any:
@@ -73,34 +100,41 @@ def _provided(request: Request, name: str) -> Any:
     return doc
 
 
-@router.get("/v1/engines", dependencies=read)
-def get_engines(request: Request) -> list[dict[str, Any]]:
-    return jsonable(list(_provided(request, "engines")))
+def provided_list(name: str) -> Callable[[Request], list[dict[str, Any]]]:
+    def get(request: Request) -> list[dict[str, Any]]:
+        return jsonable(list(_provided(request, name)))
+
+    get.__name__ = f"get_{name}"
+    return get
 
 
-@router.get("/v1/incidents", dependencies=read)
-def get_incidents(request: Request) -> list[dict[str, Any]]:
-    return jsonable(list(_provided(request, "incidents")))
+def provided_doc(name: str) -> Callable[[Request], dict[str, Any]]:
+    def get(request: Request) -> dict[str, Any]:
+        return jsonable(_provided(request, name))
+
+    get.__name__ = f"get_{name}"
+    return get
 
 
-@router.get("/v1/profiles", dependencies=read)
-def get_profiles(request: Request) -> list[dict[str, Any]]:
-    return jsonable(list(_provided(request, "profiles")))
-
-
-@router.get("/v1/pcie", dependencies=read)
-def get_pcie(request: Request) -> dict[str, Any]:
-    return jsonable(_provided(request, "pcie"))
-
-
-@router.get("/v1/power", dependencies=read)
-def get_power(request: Request) -> dict[str, Any]:
-    return jsonable(_provided(request, "power"))
-
-
-@router.get("/v1/config", dependencies=read)
 def get_config(request: Request) -> dict[str, Any]:
     view = request.app.state.config_view
     if view is None:
         raise HTTPException(501, detail="this server was started without a config")
     return view()
+
+
+# Providers that list engines, incidents or profiles may look at the disk or /proc: on the
+# thread pool, as FastAPI ran these plain-def routes before.
+ROUTES = [
+    read_route("/healthz", healthz, open_=True, blocking=True),
+    read_route("/v1/status", get_status, blocking=True),
+    read_route("/v1/gpus", get_gpus),
+    read_route("/v1/gpus/{gpu}", get_gpu),
+    read_route("/v1/events", get_events),
+    read_route("/v1/engines", provided_list("engines"), blocking=True),
+    read_route("/v1/incidents", provided_list("incidents"), blocking=True),
+    read_route("/v1/profiles", provided_list("profiles"), blocking=True),
+    read_route("/v1/pcie", provided_doc("pcie"), blocking=True),
+    read_route("/v1/power", provided_doc("power"), blocking=True),
+    read_route("/v1/config", get_config, blocking=True),
+]
