@@ -16,7 +16,7 @@ import socket
 import sqlite3
 import stat
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 
@@ -24,11 +24,9 @@ from gpuguard.config import Config, ConfigError, load_config
 from gpuguard.config.reload import LIVE_SECTIONS, ReloadPlan, plan_reload
 from gpuguard.control.actions import Actions
 from gpuguard.control.auth import AccessPolicy, TokenFileError, TokenStore, exposure_warnings
-from gpuguard.control.engine_actions import EngineActions
 from gpuguard.document import document
-from gpuguard.engines.metrics import engine_metrics
-from gpuguard.engines.watchdog import EngineWatchdog
 from gpuguard.hw.pcie_expect import ExpectedLink
+from gpuguard.hw.power_sampler import on_grid
 from gpuguard.hw.sources import default_sources
 from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.kernel.kmsg import KmsgError, KmsgReader
@@ -56,6 +54,9 @@ from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
 from gpuguard.state.state_dir import StateDir, StateDirLocked, report_to
 
+if TYPE_CHECKING:
+    from gpuguard.engines.watchdog import EngineWatchdog
+
 log = logging.getLogger("gpuguard")
 
 
@@ -81,12 +82,15 @@ class _Server(uvicorn.Server):
         # uvicorn's own loop wakes ten times a second to look at should_exit; two servers
         # made that a fifth of an idle daemon's wakeups. Here: the Date header once a
         # second (what on_tick does at every tenth tick), and stop() wakes it at once.
+        # The second falls on the poll's and the power sampler's grid, so this wakeup is one
+        # the host pays for anyway (hw/power_sampler.on_grid).
         self._exit_now = asyncio.Event()
+        loop = asyncio.get_running_loop()
         while not self.should_exit:
             if await self.on_tick(0):
                 return
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._exit_now.wait(), 1.0)
+                await asyncio.wait_for(self._exit_now.wait(), on_grid(loop.time(), 1.0) - loop.time())
 
 
 def freeze_start_up_objects() -> int:
@@ -197,8 +201,11 @@ class Daemon:
             self.metrics.add("recorder", rec.collect)
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
-        if config.engines:
+        if config.engines:  # the watchdog and its libraries only where engines are configured
+            from gpuguard.control.engine_actions import EngineActions
             from gpuguard.engines.attribution import GpuAttribution
+            from gpuguard.engines.metrics import engine_metrics
+            from gpuguard.engines.watchdog import EngineWatchdog
 
             # which processes hold which GPU (fdinfo under the host's /proc, NVML)
             nvml = next((s for s in self.sources if getattr(s, "name", "") == "nvml"), None)
