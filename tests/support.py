@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 from typing import Callable
 
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
@@ -98,6 +99,10 @@ class SimRoot(SysfsRoot):
             return self.host.read("/" + rel.lstrip("/"))
         except OSError as e:
             raise SysfsError(rel, e.errno or errno_mod.EIO) from None
+
+    def held(self, rel: str):
+        """A held attribute reads anew each time, as kernfs renders one (hw/sysfs.HeldAttribute)."""
+        return SimpleNamespace(read=lambda: self.read_bytes(rel), close=lambda: None, rel=rel)
 
     def write_text(self, rel: str, value: str) -> None:
         try:

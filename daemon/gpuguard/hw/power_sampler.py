@@ -7,11 +7,16 @@ Owns: the sampling threads, each GPU's bounded ring of raw samples (for the burs
 flight recorder keeps around a power alert) and the per-interval statistics
 (`PowerWindow`: peak, p99, mean, sample count, errors) that the poll cycle takes.
 
-Cheap by construction: a sample is one `read()` of one file (or one NVML call) and a
-float parse. One thread for all GPUs, not one per GPU: a wakeup costs more than the read
-(on the 2-core CI VM ~100 µs against ~10 µs), and four per-GPU threads contending for the
-GIL cost 3–4× one thread reading the same four files; the GPUs of one tick are also read
-within the same millisecond, which is what a supply sees summed. The thread measures its
+Cheap by construction: a sample is one `pread()` of a file held open (or one NVML call)
+and a float parse, appended to a list without a lock (the window is taken by swapping the
+list). One thread for all GPUs, not one per GPU: a wakeup costs more than the read (on
+the 2-core CI VM ~100 µs against ~10 µs), and four per-GPU threads contending for the GIL
+cost 3–4× one thread reading the same four files; the GPUs of one tick are also read
+within the same millisecond, which is what a supply sees summed. Ticks fall on multiples
+of the period (of the monotonic clock), and the poll's ticks on multiples of its interval
+(poller.py), so the once-a-second work runs in a wakeup the sampler pays for anyway: on a
+virtual machine a thread woken from idle costs 100-250 µs before it does anything, most
+of the daemon's idle CPU (issue 15). The thread measures its
 own CPU time and halves its rate (down to `MIN_HZ`) when it spends more than its budget —
 the daemon's telemetry must never become the load.
 
@@ -46,13 +51,15 @@ class PowerChannel:
     """What one GPU's sampler reads. `source` says which sensor it is (`power1_input`,
     `power1_average`, `nvml_power_instant`, `nvml_power_usage`): an averaged sensor shows
     lower peaks than the supply sees, and the reader of a metric must know which it got.
-    `read()` returns watts or raises an exception whose text names the file/call."""
+    `read()` returns watts or raises an exception whose text names the file/call; `close()`
+    lets go of what `read` holds (a file), called by the thread that read it."""
 
     gpu: str
     bdf: str
     source: str
     where: str
     read: Callable[[], float]
+    close: Callable[[], None] = lambda: None
 
     def key(self) -> tuple:
         return (self.gpu, self.bdf, self.source, self.where)
@@ -108,10 +115,10 @@ class GpuSampler:
         self.cpu_budget_ratio = cpu_budget_ratio
         self.wall = wall
         self.ring: collections.deque[tuple[float, float]] = collections.deque(maxlen=max(1, int(hz * ring_seconds)))
-        self._lock = threading.Lock()
-        self._values: list[float] = []
-        self._peak: float | None = None
-        self._count = 0
+        self._lock = threading.Lock()  # the error counters and the window's overflow
+        self._values: list[float] = []  # appended by the reading thread, swapped by take_window
+        self._over_peak: float | None = None  # past MAX_WINDOW_SAMPLES: only the peak and count
+        self._over_count = 0
         self._errors = 0
         self._last_error: str | None = None
         self._window_start = wall()
@@ -135,9 +142,13 @@ class GpuSampler:
         """No more samples; a thread left with nothing to read ends (one stuck in a wedged
         read ends when the read returns)."""
         self.stopped = True
+        if self.driver is not None:
+            self.driver.changed = True
 
-    def sample(self) -> None:
-        t = self.wall()
+    def sample(self, t: float | None = None) -> None:
+        """One reading, at wall time `t` (the tick's, shared by its GPUs)."""
+        if t is None:
+            t = self.wall()
         try:
             w = self.channel.read()
         except Exception as e:  # noqa: BLE001 — any failure is an error for this sample, named
@@ -146,35 +157,42 @@ class GpuSampler:
                 self.errors_total += 1
                 self._last_error = f"{type(e).__name__}: {e}"
             return
-        with self._lock:
-            if len(self._values) < MAX_WINDOW_SAMPLES:
-                self._values.append(w)
-            if self._peak is None or w > self._peak:
-                self._peak = w
-            self._count += 1
-            self.ring.append((t, w))
-            self.samples_total += 1
+        values = self._values
+        if len(values) < MAX_WINDOW_SAMPLES:
+            # no lock: list.append is atomic, and take_window swaps the list whole; an
+            # append to the list it just took is still counted in the window it returns
+            values.append(w)
+        else:
+            with self._lock:
+                self._over_count += 1
+                if self._over_peak is None or w > self._over_peak:
+                    self._over_peak = w
+        self.ring.append((t, w))
+        self.samples_total += 1  # one writer: the reading thread
 
     def take_window(self) -> PowerWindow:
         """The statistics since the last call; starts a new window."""
         end = self.wall()
+        values, self._values = self._values, []
         with self._lock:
-            values, self._values = self._values, []
-            peak, self._peak = self._peak, None
-            count, self._count = self._count, 0
+            over_peak, self._over_peak = self._over_peak, None
+            over_count, self._over_count = self._over_count, 0
             errors, self._errors = self._errors, 0
             last_error, self._last_error = self._last_error, None
             start, self._window_start = self._window_start, end
         c = self.channel
         if not values:
             return PowerWindow(c.gpu, c.bdf, c.source, start, end, 0, None, None, None, errors, last_error, self.hz)
-        return PowerWindow(c.gpu, c.bdf, c.source, start, end, count, peak, p99(values),
+        peak = max(values)
+        if over_peak is not None and over_peak > peak:
+            peak = over_peak
+        return PowerWindow(c.gpu, c.bdf, c.source, start, end, len(values) + over_count, peak, p99(values),
                            sum(values) / len(values), errors, last_error, self.hz)
 
     def burst(self, since: float | None = None) -> list[tuple[float, float]]:
         """Raw (wall time, watts) samples still in the ring, oldest first."""
-        with self._lock:
-            return [s for s in self.ring if since is None or s[0] >= since]
+        ring = list(self.ring)  # a copy first: the reading thread appends meanwhile
+        return [s for s in ring if since is None or s[0] >= since]
 
 
 class _SamplerThread:
@@ -191,6 +209,7 @@ class _SamplerThread:
         self.reading_since = 0.0  # monotonic
         self._end_lock = threading.Lock()
         self.ended = False
+        self.changed = False  # a member stopped: drop it at the next tick
         _SamplerThread._n += 1
         self.thread = threading.Thread(target=self._run, name=f"gpuguard-power-{_SamplerThread._n}", daemon=True)
         for m in self.members:
@@ -217,54 +236,70 @@ class _SamplerThread:
         return r if r is not None and now - self.reading_since > max(STUCK_AFTER_S, 2.0 / self.hz) else None
 
     def _run(self) -> None:
-        monotonic, sleep = time.monotonic, time.sleep
+        monotonic, sleep, wall = time.monotonic, time.sleep, time.time
         period = 1.0 / self.hz
-        next_t = monotonic()
-        check_cpu, check_t = time.thread_time(), next_t
+        next_t = on_grid(monotonic(), period)
+        check_cpu, check_t = time.thread_time(), monotonic()
         last: tuple[GpuSampler, ...] = self.members
-        while True:
-            members = self.members
-            if any(m.stopped for m in members):
-                last = members
-                with self._end_lock:
-                    self.members = members = tuple(m for m in self.members if not m.stopped)
-                    if not members:
-                        self.ended = True
-                        break
-            for m in members:
-                self.reading_since = monotonic()
-                self.reading = m
-                m.sample()
-                self.reading = None
-            now = monotonic()
-            if now - check_t >= BUDGET_CHECK_S:
-                cpu = time.thread_time()
-                share = (cpu - check_cpu) / (now - check_t)
+        try:
+            while True:
+                members = self.members
+                if self.changed:
+                    self.changed = False
+                    last = members
+                    with self._end_lock:
+                        self.members = members = tuple(m for m in self.members if not m.stopped)
+                        for m in last:
+                            if m.stopped:
+                                m.channel.close()
+                        if not members:
+                            self.ended = True
+                            break
+                self.reading_since = now = monotonic()
+                t = wall()
                 for m in members:
-                    m.cpu_seconds += (cpu - check_cpu) / len(members)
-                # the budget is per GPU: a thread reading n GPUs may spend n shares
-                if share > self.cpu_budget_ratio * len(members) and self.hz > MIN_HZ:
-                    self.hz = max(MIN_HZ, self.hz / 2)
-                    period = 1.0 / self.hz
+                    self.reading = m
+                    m.sample(t)
+                self.reading = None
+                if now - check_t >= BUDGET_CHECK_S:
+                    cpu = time.thread_time()
+                    share = (cpu - check_cpu) / (now - check_t)
                     for m in members:
-                        m.hz = self.hz
-                    log.warning(
-                        "power sampler gpus=%s used %.2f%% of a core (budget %.2f%% per GPU); rate lowered to %g Hz",
-                        ",".join(m.channel.gpu for m in members), share * 100, self.cpu_budget_ratio * 100, self.hz,
-                    )
-                check_cpu, check_t = cpu, now
-            next_t += period
-            delay = next_t - monotonic()
-            if delay < 0:  # fell behind (a slow read, a loaded host): no catch-up burst
-                next_t = monotonic()
-                delay = 0.0
-            # time.sleep, not Event.wait: a timed Event.wait builds a lock and a condition
-            # round trip per call, twice the cost of the read itself; a stop waits at most
-            # one period (close() joins)
-            sleep(delay)
-        cpu = time.thread_time() - check_cpu
-        for m in last:  # the GPUs it read last: the time since the last check is theirs
-            m.cpu_seconds += cpu / len(last)
+                        m.cpu_seconds += (cpu - check_cpu) / len(members)
+                    # the budget is per GPU: a thread reading n GPUs may spend n shares
+                    if share > self.cpu_budget_ratio * len(members) and self.hz > MIN_HZ:
+                        self.hz = max(MIN_HZ, self.hz / 2)
+                        period = 1.0 / self.hz
+                        for m in members:
+                            m.hz = self.hz
+                        log.warning(
+                            "power sampler gpus=%s used %.2f%% of a core (budget %.2f%% per GPU); rate lowered to %g Hz",
+                            ",".join(m.channel.gpu for m in members), share * 100, self.cpu_budget_ratio * 100, self.hz,
+                        )
+                    check_cpu, check_t = cpu, now
+                next_t += period
+                delay = next_t - monotonic()
+                if delay < 0:  # fell behind (a slow read, a loaded host): no catch-up burst
+                    next_t = on_grid(monotonic(), period)
+                    delay = next_t - monotonic()
+                # time.sleep, not Event.wait: a timed Event.wait builds a lock and a condition
+                # round trip per call, twice the cost of the read itself; a stop waits at most
+                # one period (close() joins)
+                sleep(max(0.0, delay))
+        finally:
+            cpu = time.thread_time() - check_cpu
+            for m in last:  # the GPUs it read last: the time since the last check is theirs
+                m.cpu_seconds += cpu / len(last)
+            for m in self.members:
+                if m.stopped:
+                    m.channel.close()
+
+
+def on_grid(now: float, period: float) -> float:
+    """The first multiple of `period` after `now`: every periodic wakeup of the daemon
+    lands on the same instants (the sampler's ticks, the poll's), and one wakeup serves
+    all of them."""
+    return (math.floor(now / period) + 1) * period
 
 
 class PowerSampler:

@@ -34,12 +34,13 @@ def amdgpu_channel(root: SysfsRoot, dev: Any, name: str) -> PowerChannel | None:
     for attr in ("power1_input", "power1_average"):
         path = f"{hw}/{attr}"
         if root.exists(path):
-            read_bytes = root.read_bytes
+            held = root.held(path)  # read by the sampler's thread only, kept open
+            read_held = held.read
 
             def read(path: str = path) -> float:
-                return parse_microwatts(read_bytes(path), path)
+                return parse_microwatts(read_held(), path)
 
-            return PowerChannel(name, dev.bdf, attr, path, read)
+            return PowerChannel(name, dev.bdf, attr, path, read, close=held.close)
     return None
 
 

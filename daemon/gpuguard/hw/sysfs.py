@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import os
+import re
 from dataclasses import dataclass
 
 # sysfs show() output is at most one page; some attributes (pp_od_clk_voltage with NUL
@@ -74,6 +75,10 @@ class SysfsRoot:
         finally:
             os.close(fd)
 
+    def held(self, rel: str) -> "HeldAttribute":
+        """`rel` kept open for repeated reads (hw/power_sampler.py: 20 reads a second)."""
+        return HeldAttribute(self, rel)
+
     def read_text(self, rel: str) -> str:
         """The file's text with NUL bytes dropped (real amdgpu output has NUL runs, see
         reference/amdgpu/SOURCES.md) and surrounding whitespace stripped."""
@@ -129,3 +134,73 @@ class SysfsRoot:
             return os.path.basename(os.readlink(self.path(rel)))
         except OSError:
             return None
+
+
+# A sysfs attribute's show() writes at most one page.
+ATTRIBUTE_SIZE = 4096
+# Filesystems that render a file anew for every read at offset 0: sysfs and procfs
+# (kernfs, seq_file), and FUSE (the simulator serves kernfs semantics, sim/fuse.py).
+RERENDERING = ("sysfs", "proc", "fuse")
+
+
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the filesystem `path` lies on ('fuse' for any FUSE filesystem), '' when
+    it cannot be told."""
+    real = os.path.realpath(path)
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    best, kind = "", ""
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, right.split()[0]
+    return "fuse" if kind.startswith("fuse") else kind
+
+
+class HeldAttribute:
+    """One attribute kept open and read again with `pread` at offset 0: kernfs renders a
+    sysfs attribute anew for every read at offset 0 (seq_file restarts), so a held file
+    costs one syscall a read where open/read/close cost three, and the open's walk down a
+    sysfs path of a dozen components is most of that (issue 15: the power sampler reads
+    every GPU 20 times a second). Owned by one thread; `close()` when done.
+
+    A file that is gone answers ENODEV (kernfs) and is reopened by path on the next read.
+    On a filesystem that does not render anew (a tree of plain files, replaced by rename
+    as `gpuguard demo --write-tree` does) each read first looks whether the held file is
+    still the one at its path (its link count), and reopens it when not."""
+
+    def __init__(self, root: SysfsRoot, rel: str) -> None:
+        self.root = root
+        self.rel = rel
+        self._path = root.path(rel)
+        self.rerenders = filesystem_type(self._path) in RERENDERING
+        self._fd: int | None = None
+
+    def read(self) -> bytes:
+        fd = self._fd
+        if fd is not None and not self.rerenders and os.fstat(fd).st_nlink == 0:
+            self.close()  # replaced or removed: read what is at the path now
+            fd = None
+        if fd is None:
+            try:
+                fd = self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise SysfsError(self.rel, e.errno or errno_mod.EIO) from None
+        try:
+            return os.pread(fd, ATTRIBUTE_SIZE, 0)
+        except OSError as e:
+            self.close()
+            raise SysfsError(self.rel, e.errno or errno_mod.EIO) from None
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
