@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from gpuguard.hw.device_calls import DeviceCalls
 from gpuguard.hw import plausible
+from gpuguard.hw.power_sampler import on_grid
 from gpuguard.state.events import Event
 from gpuguard.state.hub import HostSnapshot, Hub
 from gpuguard.state.snapshot import GpuSnapshot
@@ -288,17 +289,20 @@ class GpuPoller:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        next_at = loop.time()
+        # cycles on multiples of the interval (of the monotonic clock, which is the loop's):
+        # the power sampler ticks on multiples of its period too, so a cycle starts in a
+        # wakeup the host pays for anyway (hw/power_sampler.on_grid)
+        next_at: float | None = None  # the first cycle at once
         while not stop.is_set():
             try:
                 await self.poll_once()
             except Exception:  # never let one bad cycle end the poller
                 log.exception("poll cycle failed")
-            next_at += self.interval
-            delay = next_at - loop.time()
-            if delay < 0:  # fell behind: don't try to catch up in a burst
-                next_at = loop.time()
-                delay = 0
+            now = loop.time()
+            next_at = on_grid(now, self.interval) if next_at is None else next_at + self.interval
+            if next_at < now:  # fell behind: don't try to catch up in a burst
+                next_at = on_grid(now, self.interval)
+            delay = next_at - now
             try:
                 await asyncio.wait_for(stop.wait(), delay)
             except asyncio.TimeoutError:

@@ -9,6 +9,7 @@ The token's *name* — never the token — is what the audit log records.
 """
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import os
@@ -133,8 +134,9 @@ class AccessPolicy:
     listen_address: str = "127.0.0.1"
     open_reads: bool = False
 
-    @property
+    @functools.cached_property
     def reads_need_token(self) -> bool:
+        # asked on every request, /metrics included: the address is parsed once
         return not (self.open_reads or is_loopback(self.listen_address))
 
 

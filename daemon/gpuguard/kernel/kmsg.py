@@ -19,6 +19,7 @@ import asyncio
 import errno
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -453,8 +454,11 @@ class KmsgReader:
         # printk wakes /dev/kmsg pollers from deferred irq_work; a read attempt every
         # `poll_interval` bounds the delay should a wakeup ever be missed (the fd is
         # non-blocking, so an empty attempt costs one syscall). 2 s, not less: each
-        # attempt is a wakeup of an otherwise idle daemon, for a wakeup never seen missed.
-        timer = loop.call_later(self.poll_interval, ready)
+        # attempt is a wakeup of an otherwise idle daemon, for a wakeup never seen missed;
+        # on a whole second, where the poll and the power sampler wake the daemon anyway
+        # (hw/power_sampler.on_grid)
+        when = loop.time() + self.poll_interval
+        timer = loop.call_at(math.floor(when) if self.poll_interval >= 1.0 else when, ready)
         try:
             await fut
         finally:
