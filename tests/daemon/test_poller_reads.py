@@ -186,3 +186,27 @@ def test_a_driver_loaded_after_start_is_a_change(tmp_path):
     bound.mkdir(parents=True)
     (bound / "0000:03:00.0").symlink_to("../../../../devices/pci0000:00/0000:00:01.0/0000:03:00.0")
     assert source.unchanged() is False
+
+
+def test_cycles_after_the_first_start_on_multiples_of_the_interval():
+    """The poll's wakeups share the power sampler's grid (hw/power_sampler.on_grid): each
+    cycle after the first, which runs at once, starts on a multiple of the interval of the
+    loop's monotonic clock."""
+    starts: list[float] = []
+
+    async def main() -> None:
+        poller = GpuPoller(Hub(), [Cards()], [], interval=0.2, timeout=2.0)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        poller.on_cycle.append(lambda snap: starts.append(loop.time()) or (len(starts) >= 8 and stop.set()))
+        try:
+            await asyncio.wait_for(poller.run(stop), 30)
+        finally:
+            poller.close()
+
+    run(main())
+    # a cycle ends a little after it starts: its listeners run at start + the read's time
+    phases = sorted(t % 0.2 for t in starts[1:])
+    assert phases[len(phases) // 2] < 0.03, phases
+    gaps = [b - a for a, b in zip(starts[1:], starts[2:])]
+    assert all(0.1 < g < 0.3 for g in gaps), gaps

@@ -5,6 +5,7 @@ stopping the other GPUs. Plus its CPU budget."""
 from __future__ import annotations
 
 import errno
+import threading
 import time
 from types import SimpleNamespace
 
@@ -189,3 +190,74 @@ def test_a_window_nobody_takes_stays_bounded_but_keeps_its_peak(monkeypatch):
     assert w.samples >= 10 and w.peak_w == 99.0       # every sample counted, the peak exact
     assert w.mean_w == 3.0                            # statistics of the first 5 kept
     assert len(s.samplers["x"]._values) == 0
+
+
+def test_a_stopped_gpu_lets_go_of_its_file_on_its_reading_thread(two):
+    """The held power1_average of a GPU that is gone is closed by the thread that read it
+    (a lost card must not keep an fd of a removed device for the daemon's life)."""
+    closed: list[str] = []
+    chans = [PowerChannel(c.gpu, c.bdf, c.source, c.where, c.read,
+                          close=lambda g=c.gpu: closed.append((g, threading.current_thread().name)))
+             for c in two.channels]
+    s = two.sampler
+    s.sync(chans)
+    samples(s, "b")
+    reader = s.samplers["b"].thread.name
+    s.sync(chans[:1])
+    poll_until(lambda: closed, timeout=10, what="the file of b to be closed")
+    assert closed == [("b", reader)]
+    s.sync([])
+    poll_until(lambda: len(closed) == 2, timeout=10, what="the file of a to be closed")
+    assert closed[1][0] == "a"
+
+
+def test_on_grid_is_the_next_multiple_of_the_period():
+    assert power_sampler.on_grid(10.0, 0.05) == pytest.approx(10.05)
+    assert power_sampler.on_grid(10.049, 0.05) == pytest.approx(10.05)
+    assert power_sampler.on_grid(1234.5, 1.0) == 1235.0
+    assert power_sampler.on_grid(1234.0, 1.0) == 1235.0   # after now, never now
+
+
+def test_ticks_fall_on_multiples_of_the_period():
+    """Every wakeup of the sampler is on the period's grid of the monotonic clock, where the
+    poll's once-a-second work lands too (poller.py): one wakeup serves both."""
+    ticks: list[float] = []
+
+    def read() -> float:
+        ticks.append(time.monotonic())
+        return 1.0
+
+    s = PowerSampler(hz=20, cpu_budget_ratio=1.0)
+    try:
+        s.sync([PowerChannel("x", "-", "test", "a clock", read)])
+        poll_until(lambda: len(ticks) >= 30, timeout=30, what="30 ticks")
+    finally:
+        s.close()
+    phases = sorted((t % 0.05) for t in ticks[1:])   # the first read is at the start, not a tick
+    # a wakeup comes a little after its deadline, never before; most within 10 ms even on
+    # a loaded machine (a grid off by half a period would put the median at 25 ms)
+    assert phases[len(phases) // 2] < 0.01, phases
+
+
+def test_no_sample_is_lost_when_windows_are_taken_while_it_reads():
+    """Windows are taken by swapping the list the reading thread appends to, without a lock:
+    every sample read lands in exactly one window."""
+    n = iter(range(1, 10**9))
+    s = PowerSampler(hz=100, cpu_budget_ratio=1.0)
+    windows = []
+    try:
+        s.sync([PowerChannel("x", "-", "test", "a counter", lambda: float(next(n)))])
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            windows.append(s.take_windows()["x"])
+        s.samplers["x"].stop()
+        s.samplers["x"].thread.join(5)
+        windows.append(s.take_windows()["x"])
+        total = s.samplers["x"].samples_total
+    finally:
+        s.close()
+    assert total > 50
+    assert sum(w.samples for w in windows) == total
+    means = [w for w in windows if w.samples]
+    # the counter's values are consecutive: the windows' sums add up to 1 + 2 + ... + total
+    assert round(sum(w.mean_w * w.samples for w in means)) == total * (total + 1) // 2

@@ -331,3 +331,51 @@ def test_confirm_window_needs_snapshot_and_restore_providers(tokens, serve, stan
                        headers=bearer(tokens["alice"]))
         assert r.status_code == 501 and "snapshot_state" in r.json()["detail"]
     assert host.calls == []  # not applied when it could not be reverted
+
+
+def test_metrics_is_answered_before_routing_with_the_same_rules(api, tokens):
+    """/metrics is served ahead of the routers (a scrape is the request that comes all
+    day): the same body as the registry renders, HEAD without it, 405 for a POST, the
+    read rule beyond loopback, and a failing render a 500 that the next scrape survives."""
+    r = HTTP.get(api.base + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert b"gpuguard_build_info" in r.content and int(r.headers["content-length"]) == len(r.content)
+    h = HTTP.head(api.base + "/metrics")
+    assert h.status_code == 200 and h.content == b"" and int(h.headers["content-length"]) > 1000
+    p = HTTP.post(api.base + "/metrics", headers=bearer(tokens["alice"]))
+    assert p.status_code == 405 and set(p.headers["allow"].split(", ")) == {"GET", "HEAD"}
+
+    api.app.state.policy = AccessPolicy("0.0.0.0")
+    try:
+        r = HTTP.get(api.base + "/metrics")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == 'Bearer realm="gpuguard"'
+        assert HTTP.get(api.base + "/metrics", headers=bearer(tokens["ci"])).status_code == 200
+    finally:
+        api.app.state.policy = AccessPolicy("127.0.0.1")
+
+    metrics = api.app.state.metrics
+
+    class Broken:
+        def render(self) -> bytes:
+            raise RuntimeError("a bug in a renderer")
+
+    api.app.state.metrics = Broken()
+    try:
+        r = HTTP.get(api.base + "/metrics")
+        assert r.status_code == 500 and "see the daemon's log" in r.json()["detail"]
+    finally:
+        api.app.state.metrics = metrics
+    assert HTTP.get(api.base + "/metrics").status_code == 200
+
+
+def test_reads_never_build_the_control_app_and_an_action_path_does(api, tokens):
+    fresh = build_app(api.hub, MetricsSink(api.hub), tokens=TokenStore({"alice": tokens["alice"]}))
+    api.front.app = fresh
+    try:
+        for path in ("/metrics", "/healthz", "/v1/status", "/v1/gpus", "/v1/gpus/gpu0", "/v1/events", "/nope"):
+            HTTP.get(api.base + path)
+        assert fresh._control is None
+        r = HTTP.get(api.base + "/v1/gpus/gpu0/reset")   # an action path: the control app answers, 405
+        assert r.status_code == 405 and fresh._control is not None
+    finally:
+        api.front.app = api.app
