@@ -99,3 +99,14 @@ def test_the_commented_examples_in_the_annotated_config_are_valid():
     qwen = c.engines[0]  # the graded response, as the comments explain it
     assert (qwen.stall_after, qwen.effective_dump_after, qwen.effective_kill_after) == (60, 90, 180)
     assert c.webhooks and c.webhooks[0].retries == 3
+
+
+def test_the_flight_recorder_lives_in_state_dir_unless_its_path_is_given():
+    """Two daemons with their own state folders wrote into one /var/lib/gpuguard/flight.sqlite
+    (every benchmark and test daemon did): an unset recorder.path follows state_dir."""
+    from gpuguard.config import Config, parse_config
+
+    assert Config().recorder.path == "/var/lib/gpuguard/flight.sqlite"
+    assert parse_config("state_dir: /srv/gg\n").recorder.path == "/srv/gg/flight.sqlite"
+    assert parse_config("state_dir: /srv/gg\nrecorder: {keep_seconds: 600}\n").recorder.path == "/srv/gg/flight.sqlite"
+    assert parse_config("state_dir: /srv/gg\nrecorder: {path: /data/f.sqlite}\n").recorder.path == "/data/f.sqlite"

@@ -2,7 +2,8 @@
 Unknown keys are errors: a typo must not silently fall back to a default."""
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -80,6 +81,7 @@ class LoggingConfig(Strict):
 class RecorderConfig(Strict):
     enabled: bool = True
     # INCIDENTS §2: samples written to /tmp were lost in the reboot the trip caused.
+    # Not given: `state_dir`/flight.sqlite (Config._recorder_in_state_dir).
     path: str = "/var/lib/gpuguard/flight.sqlite"
     keep_seconds: float = Field(86400.0, ge=60)
     # bounded by size too (pages in use), pruned oldest first; ~16-21 MB/GPU/day at 1 s with the
@@ -102,6 +104,19 @@ class Config(Strict):
     profiles: dict[str, Profile] = {}
     apply: ApplyConfig = ApplyConfig()
     power: PowerConfig = PowerConfig()  # fast power sampling, PSU budget (INCIDENTS §2)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recorder_in_state_dir(cls, data: Any) -> Any:
+        """`recorder.path` not given: the flight recorder lives in `state_dir` (by default
+        /var/lib/gpuguard/flight.sqlite, as before). Two daemons with their own state
+        folders wrote into one recorder file (every benchmark and test daemon did)."""
+        if isinstance(data, dict) and isinstance(data.get("state_dir", "/var/lib/gpuguard"), str):
+            rec = data.get("recorder")
+            if rec is None or (isinstance(rec, dict) and "path" not in rec):
+                state_dir = data.get("state_dir", "/var/lib/gpuguard")
+                data = {**data, "recorder": {**(rec or {}), "path": os.path.join(state_dir, "flight.sqlite")}}
+        return data
 
     @model_validator(mode="after")
     def _profiles_exist(self) -> "Config":
