@@ -320,3 +320,50 @@ def test_devices_that_vanish_or_lie_during_discovery_are_skipped(incident_host):
     assert [d.bdf for d in discover(root)] == ["0000:03:00.0", "0000:0b:00.0"]
     assert discover_one(root, "0000:0f:00.0") is None
     assert discover_one(root, "0000:00:01.0") is None  # a bridge, not a GPU
+
+
+def test_constants_are_read_at_discovery_then_once_a_minute_and_live_values_every_poll(incident_host, monkeypatch):
+    """Issue 15: the temperature limits, the cap's bounds and default and the VRAM size are
+    the firmware's numbers; a poll reads them once a minute, not every second — and serves
+    the same values meanwhile."""
+    from gpuguard.hw import amdgpu
+
+    clock = [1000.0]
+    monkeypatch.setattr(amdgpu.time, "monotonic", lambda: clock[0])
+    root = RecordingRoot(incident_host.root)
+    xtx = discover(root)[0]
+    constants = {p.path for p in xtx.probes if p.constant}
+    assert {os.path.basename(p) for p in constants} == {
+        "temp1_crit", "temp1_emergency", "temp2_crit", "temp2_emergency", "temp3_crit", "temp3_emergency",
+        "power1_cap_min", "power1_cap_max", "power1_cap_default"}
+    first = read_gpu(root, xtx, "xtx0")
+    root.reads.clear()
+    clock[0] += 59.0
+    second = read_gpu(root, xtx, "xtx0")
+    assert not constants & set(root.reads)
+    assert {os.path.basename(r) for r in root.reads} >= {"power1_average", "power1_cap", "temp1_input", "freq1_input"}
+    assert (second.temperature_limits, second.power_cap_min_watts, second.power_cap_max_watts,
+            second.power_cap_default_watts) == (first.temperature_limits, 261.0, 333.0, 290.0)
+    root.reads.clear()
+    clock[0] += 1.5
+    read_gpu(root, xtx, "xtx0")
+    assert constants <= set(root.reads)
+
+
+def test_a_constant_that_fails_is_an_error_that_poll_and_is_read_again(incident_host, monkeypatch):
+    root = RecordingRoot(incident_host.root)
+    xtx = discover(root)[0]
+    read_gpu(root, xtx, "xtx0")
+    (cap_max,) = [p.path for p in xtx.probes if p.path.endswith("power1_cap_max")]
+    from gpuguard.hw import amdgpu
+
+    monkeypatch.setattr(amdgpu, "CONSTANT_EVERY_S", 0.0)
+    disk = os.path.join(incident_host.root, cap_max.lstrip("/"))
+    with open(disk, "w") as f:
+        f.write("garbage\n")
+    s = read_gpu(root, xtx, "xtx0")
+    assert s.power_cap_max_watts is None and "power1_cap_max" in s.errors["power_cap_max_watts"]
+    monkeypatch.setattr(amdgpu, "CONSTANT_EVERY_S", 60.0)
+    with open(disk, "w") as f:
+        f.write("333000000\n")
+    assert read_gpu(root, xtx, "xtx0").power_cap_max_watts == 333.0   # not served from a cache of the failure

@@ -73,13 +73,22 @@ Parse = Callable[[bytes, str], object]
 @dataclass(frozen=True)
 class Probe:
     """One value a poll reads: `key` names it in `GpuSnapshot.errors`; `group`/`label`
-    say where it goes (`None` = the snapshot field named `key`)."""
+    say where it goes (`None` = the snapshot field named `key`). A `constant` is a number
+    of the card's firmware that does not change while the driver holds it (VRAM size, the
+    temperature limits, the cap's bounds and default): read at discovery, then once every
+    `CONSTANT_EVERY_S`, not every poll (issue 15: 11 of a card's 25 files)."""
 
     key: str
     path: str
     parse: Parse
     group: str | None = None
     label: object = None
+    constant: bool = False
+
+
+# How long a constant read is served before it is read again: a firmware that did change
+# one (a driver reload rediscovers the card anyway) shows it within the minute.
+CONSTANT_EVERY_S = 60.0
 
 
 _GROUPS = (None, "temperatures", "temperature_limits", "clocks_hz", "voltages")
@@ -106,8 +115,11 @@ class AmdGpuDevice:
 
     def __post_init__(self) -> None:
         # The poll loop walks plain tuples (no attribute lookups per value).
-        plan = tuple((p.key, p.path, p.parse, _GROUPS.index(p.group), p.label) for p in self.probes)
+        plan = tuple((p.key, p.path, p.parse, _GROUPS.index(p.group), p.label, p.constant) for p in self.probes)
         object.__setattr__(self, "_plan", plan)
+        # key -> (monotonic time read, value) of the constants; written by the one thread
+        # that polls this device at a time (poller.py never reads a card twice at once)
+        object.__setattr__(self, "_constants", {})
 
     def poll_paths(self) -> tuple[str, ...]:
         """Host-style paths a `read_gpu` of an awake GPU reads, in order (for the
@@ -204,14 +216,15 @@ def _find_hwmon(root: SysfsRoot, dev_path: str) -> str | None:
 
 def _device_probes(root: SysfsRoot, dev: str) -> tuple[Probe, ...]:
     wanted = (
-        ("busy_ratio", "gpu_busy_percent", files.parse_percent_ratio),
-        ("vram_used_bytes", "mem_info_vram_used", files.parse_bytes),
-        ("vram_total_bytes", "mem_info_vram_total", files.parse_bytes),
-        ("vram_visible_bytes", "mem_info_vis_vram_total", files.parse_bytes),
-        ("performance_level", "power_dpm_force_performance_level", files.parse_performance_level),
+        ("busy_ratio", "gpu_busy_percent", files.parse_percent_ratio, False),
+        ("vram_used_bytes", "mem_info_vram_used", files.parse_bytes, False),
+        ("vram_total_bytes", "mem_info_vram_total", files.parse_bytes, True),
+        ("vram_visible_bytes", "mem_info_vis_vram_total", files.parse_bytes, True),
+        ("performance_level", "power_dpm_force_performance_level", files.parse_performance_level, False),
     )
     # A file the GPU does not have is "no data", not an error (node_exporter's rule).
-    return tuple(Probe(key, f"{dev}/{name}", parse) for key, name, parse in wanted if root.exists(f"{dev}/{name}"))
+    return tuple(Probe(key, f"{dev}/{name}", parse, constant=constant)
+                 for key, name, parse, constant in wanted if root.exists(f"{dev}/{name}"))
 
 
 # Live readings pass plausibility bounds (hw/plausible.py); limits do not.
@@ -249,7 +262,8 @@ def _hwmon_probes(root: SysfsRoot, hw: str) -> tuple[Probe, ...]:
             for level in ("crit", "emergency"):
                 if has(f"temp{n}_{level}"):
                     key, path = f"temperature_{label}_{level}", f"{hw}/temp{n}_{level}"
-                    probes.append(Probe(key, path, files.parse_millicelsius, "temperature_limits", (label, level)))
+                    probes.append(Probe(key, path, files.parse_millicelsius, "temperature_limits", (label, level),
+                                        constant=True))
     # Package power: the PPT sensor (slowPPT on VanGogh, which also has fastPPT).
     ppt = [i for (kind, i), label in sorted(labels.items()) if kind == "power" and label in ("PPT", "slowPPT")]
     n = ppt[0] if ppt else (1 if has("power1_average") or has("power1_input") else None)
@@ -261,8 +275,8 @@ def _hwmon_probes(root: SysfsRoot, hw: str) -> tuple[Probe, ...]:
                 break
         for suffix in ("cap", "cap_min", "cap_max", "cap_default"):
             key = f"power_{suffix}_watts"
-            if has(f"power{n}_{suffix}"):
-                probes.append(Probe(key, f"{hw}/power{n}_{suffix}", _POWER))
+            if has(f"power{n}_{suffix}"):  # the cap itself is set by users and profiles: not a constant
+                probes.append(Probe(key, f"{hw}/power{n}_{suffix}", _POWER, constant=suffix != "cap"))
     for (kind, n), label in sorted(labels.items()):
         if kind == "freq" and has(f"freq{n}_input"):
             probes.append(Probe(f"clock_{label}", f"{hw}/freq{n}_input", _CLOCK, "clocks_hz", label))
@@ -374,18 +388,29 @@ def read_gpu(root: SysfsRoot, dev: AmdGpuDevice, name: str) -> GpuSnapshot:
         stale = False
         io_errors: list[str] = []
         read = root.read_bytes
-        for key, path, parse, gi, label in dev._plan:
+        constants = dev._constants
+        fresh_after = time.monotonic() - CONSTANT_EVERY_S
+        for key, path, parse, gi, label, constant in dev._plan:
+            if constant:
+                kept = constants.get(key)
+                if kept is not None and kept[0] > fresh_after:
+                    groups[gi][key if gi == 0 else label] = kept[1]
+                    continue
             try:
                 value = parse(read(path), path)
             except SysfsError as e:
                 errors[key] = _read_error(root, dev, e)
                 io_errors.append(errors[key])
                 stale = stale or e.gone
+                constants.pop(key, None)
                 continue
             except ValueError as e:
                 errors[key] = str(e)
+                constants.pop(key, None)
                 continue
             groups[gi][key if gi == 0 else label] = value
+            if constant:
+                constants[key] = (time.monotonic(), value)
         od = None
         od_error = dev.od_disabled_reason
         if dev.od_path:
