@@ -11,13 +11,19 @@ host; 32 GPUs: bench32):
 
 After a warm-up, an idle phase (nobody scrapes) and a scrape phase (each scraped once a
 second, in turn, over one keep-alive connection each, as Prometheus does). Reported per
-process: CPU per second (utime+stime from /proc) in each phase, scrape latency p50/p99
-(client side, request to last byte), body size, RSS at the end and its peak (VmHWM). For
-gpuguard, the idle CPU is also broken down by thread (schedstat; named with `py-spy
-dump` when py-spy is installed) — the power sampler, the device reader, the recorder, the
-event loop.
+process: CPU per second in each phase (utime+stime from /proc, which counts whole clock
+ticks, and the exact sum of every thread's schedstat run time), context switches per
+second (each one a wakeup: on a virtual machine a thread woken from idle costs 100-500 us
+before it does anything, so this is the figure that explains the CPU), scrape latency
+p50/p99 (client side, request to last byte), body size, RSS at the end and its peak
+(VmHWM). For gpuguard, the idle CPU is also broken down by thread (schedstat; named with
+`py-spy dump` when py-spy is installed) — the power sampler, the device reader, the
+recorder, the event loop. gpuguard runs as installed (bench/processes.installed_env).
+`--daemon-dir` runs another checkout's daemon/ (a before/after in one sitting), and the
+host's current wakeup cost is printed with the figures: compare runs only beside it.
 
     python bench/vs_node_exporter.py [--gpus 4 32] [--idle 30] [--scrape 120] [--json FILE]
+                                     [--daemon-dir DIR] [--extra-config YAML]
 
 Targets: CPU at 1 Hz ≤ 1.5× node_exporter's, scrape p99 ≤ node_exporter's, RSS ≤ 48 MiB.
 Run it on a quiet machine: the figures are ratios from one run, but a busy neighbour
@@ -42,14 +48,11 @@ sys.path.insert(0, HERE)
 
 from gpuguard.sim.runner import build_scenario  # noqa: E402
 from gpuguard.sim.tree import write_tree  # noqa: E402
-from processes import free_port, memory, wait_up  # noqa: E402
+from processes import free_port, installed_env, memory, wait_up  # noqa: E402
 
 NODE_EXPORTER = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
 SCENARIO = {4: "incident", 32: "bench32"}
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-
 
 
 def cpu_seconds(pid: int) -> float:
@@ -58,7 +61,34 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def switches(pid: int) -> int:
+    """Context switches of every thread so far (voluntary + involuntary)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        n += int(line.split()[1])
+        except OSError:
+            pass
+    return n
 
+
+def wakeup_cost_us(period: float = 0.05, n: int = 60) -> float:
+    """CPU a thread of this machine spends per wakeup from a `period` sleep (with four
+    held-file reads, the sampler's work): what this host charges for waking up now."""
+    fds = [os.open(__file__, os.O_RDONLY) for _ in range(4)]
+    try:
+        c0 = time.thread_time()
+        for _ in range(n):
+            for fd in fds:
+                os.pread(fd, 64, 0)
+            time.sleep(period)
+        return (time.thread_time() - c0) / n * 1e6
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def thread_cpu(pid: int) -> dict[int, int]:
@@ -92,15 +122,12 @@ def thread_names(pid: int) -> dict[int, str]:
     return names
 
 
-
-
-
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float) -> dict:
+def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float, daemon_dir: str, extra_config: str) -> dict:
     tmp = tempfile.mkdtemp(prefix=f"gpuguard-vs-ne-{gpus}-")
     procs: list[subprocess.Popen] = []
     try:
@@ -113,9 +140,10 @@ def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float) -> dict:
         gport, nport = free_port(), free_port()
         cfg = os.path.join(tmp, "gpuguard.yaml")
         with open(cfg, "w") as f:
-            f.write(f"state_dir: {tmp}/state\nlisten: {{address: 127.0.0.1, port: {gport}}}\n" + os.environ.get("GG_EXTRA", ""))
-        env = dict(os.environ, PYTHONPATH=os.path.join(HERE, "..", "daemon"))
-        env.pop("NOTIFY_SOCKET", None)
+            # the recorder named too: a daemon from before its path followed state_dir
+            f.write(f"state_dir: {tmp}/state\nrecorder: {{path: {tmp}/state/flight.sqlite}}\n"
+                    f"listen: {{address: 127.0.0.1, port: {gport}}}\n{extra_config}")
+        env = installed_env(daemon_dir)
         gg = subprocess.Popen([sys.executable, "-m", "gpuguard", "run", "--config", cfg, "--sysfs-root", tree],
                               env=env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "gpuguard.log"), "w"))
         procs.append(gg)
@@ -131,11 +159,15 @@ def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float) -> dict:
 
         # idle: nobody scrapes
         c0 = {n: cpu_seconds(p.pid) for n, (p, _) in targets.items()}
+        x0 = {n: sum(thread_cpu(p.pid).values()) for n, (p, _) in targets.items()}
+        w0 = {n: switches(p.pid) for n, (p, _) in targets.items()}
         t0_threads = thread_cpu(gg.pid)
         t0 = time.monotonic()
         time.sleep(idle_s)
         idle_wall = time.monotonic() - t0
         c1 = {n: cpu_seconds(p.pid) for n, (p, _) in targets.items()}
+        x1 = {n: sum(thread_cpu(p.pid).values()) for n, (p, _) in targets.items()}
+        w1 = {n: switches(p.pid) for n, (p, _) in targets.items()}
         t1_threads = thread_cpu(gg.pid)
         names = thread_names(gg.pid)
         idle_threads = sorted(((t1_threads[t] - t0_threads.get(t, 0)) / 1e6 / idle_wall, names.get(t, f"thread {t}"))
@@ -146,6 +178,8 @@ def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float) -> dict:
         lat: dict[str, list[float]] = {n: [] for n in targets}
         size: dict[str, int] = {}
         s0 = {n: cpu_seconds(p.pid) for n, (p, _) in targets.items()}
+        y0 = {n: sum(thread_cpu(p.pid).values()) for n, (p, _) in targets.items()}
+        v0 = {n: switches(p.pid) for n, (p, _) in targets.items()}
         t0 = time.monotonic()
         tick = 0
         while time.monotonic() - t0 < scrape_s:
@@ -162,6 +196,8 @@ def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float) -> dict:
             time.sleep(max(0.0, t0 + tick - time.monotonic()))
         scrape_wall = time.monotonic() - t0
         s1 = {n: cpu_seconds(p.pid) for n, (p, _) in targets.items()}
+        y1 = {n: sum(thread_cpu(p.pid).values()) for n, (p, _) in targets.items()}
+        v1 = {n: switches(p.pid) for n, (p, _) in targets.items()}
         for c in clients.values():
             c.close()
         out: dict = {"gpus": gpus, "idle_seconds": round(idle_wall, 1), "scrape_seconds": round(scrape_wall, 1),
@@ -171,6 +207,10 @@ def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float) -> dict:
             out[n] = {
                 "idle_cpu_ms_per_s": round((c1[n] - c0[n]) / idle_wall * 1000, 2),
                 "scraped_cpu_ms_per_s": round((s1[n] - s0[n]) / scrape_wall * 1000, 2),
+                "idle_cpu_exact_ms_per_s": round((x1[n] - x0[n]) / 1e6 / idle_wall, 2),
+                "scraped_cpu_exact_ms_per_s": round((y1[n] - y0[n]) / 1e6 / scrape_wall, 2),
+                "idle_switches_per_s": round((w1[n] - w0[n]) / idle_wall, 1),
+                "scraped_switches_per_s": round((v1[n] - v0[n]) / scrape_wall, 1),
                 "scrape_p50_ms": round(pct(lat[n], 0.5) * 1000, 2),
                 "scrape_p99_ms": round(pct(lat[n], 0.99) * 1000, 2),
                 "body_bytes": size[n],
@@ -180,6 +220,7 @@ def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float) -> dict:
         g, n_ = out["gpuguard"], out["node_exporter"]
         out["ratio"] = {
             "cpu_scraped": round(g["scraped_cpu_ms_per_s"] / n_["scraped_cpu_ms_per_s"], 2),
+            "cpu_scraped_exact": round(g["scraped_cpu_exact_ms_per_s"] / n_["scraped_cpu_exact_ms_per_s"], 2),
             "scrape_p50": round(g["scrape_p50_ms"] / n_["scrape_p50_ms"], 2),
             "scrape_p99": round(g["scrape_p99_ms"] / n_["scrape_p99_ms"], 2),
         }
@@ -203,22 +244,29 @@ def main() -> int:
     ap.add_argument("--scrape", type=float, default=120.0, help="seconds scraped once a second")
     ap.add_argument("--warm", type=float, default=15.0, help="seconds after start before measuring")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--daemon-dir", default=os.path.join(HERE, "..", "daemon"),
+                    help="the daemon/ folder to run (another checkout's, for a before/after)")
+    ap.add_argument("--extra-config", default="", help="YAML appended to gpuguard's config")
     a = ap.parse_args()
     if not NODE_EXPORTER:
         print("prometheus-node-exporter not found: apt-get install prometheus-node-exporter", file=sys.stderr)
         return 2
     results = []
+    print(f"{os.path.abspath(a.daemon_dir)}; this host's wakeup cost now: {wakeup_cost_us():.0f} us "
+          f"per 50 ms sleep (Python, four held-file reads)")
     for n in a.gpus:
-        r = run_one(n, a.idle, a.scrape, a.warm)
+        r = run_one(n, a.idle, a.scrape, a.warm, a.daemon_dir, a.extra_config)
         results.append(r)
         g, ne, ratio = r["gpuguard"], r["node_exporter"], r["ratio"]
         print(f"\n{n} GPUs (load average {r['load_before']:.1f} before; {r['scrapes']} scrapes each)")
-        print(f"  {'':14s} {'idle CPU':>10s} {'CPU at 1 Hz':>12s} {'p50':>8s} {'p99':>8s} {'body':>9s} {'RSS':>8s} {'peak':>8s}")
+        print(f"  {'':14s} {'idle CPU':>10s} {'CPU at 1 Hz':>12s} {'exact':>10s} {'wakeups':>9s} {'p50':>8s} "
+              f"{'p99':>8s} {'body':>9s} {'RSS':>8s} {'peak':>8s}")
         for name, m in (("gpuguard", g), ("node_exporter", ne)):
             print(f"  {name:14s} {m['idle_cpu_ms_per_s']:7.2f}ms/s {m['scraped_cpu_ms_per_s']:9.2f}ms/s "
+                  f"{m['scraped_cpu_exact_ms_per_s']:7.2f}ms/s {m['scraped_switches_per_s']:7.1f}/s "
                   f"{m['scrape_p50_ms']:6.2f}ms {m['scrape_p99_ms']:6.2f}ms {m['body_bytes']:8d}B "
                   f"{m['rss_mib']:6.1f}Mi {m['rss_peak_mib']:6.1f}Mi")
-        print(f"  ratio gpuguard/node_exporter: CPU at 1 Hz {ratio['cpu_scraped']}×, "
+        print(f"  ratio gpuguard/node_exporter: CPU at 1 Hz {ratio['cpu_scraped']}× (exact {ratio['cpu_scraped_exact']}×), "
               f"p50 {ratio['scrape_p50']}×, p99 {ratio['scrape_p99']}×")
         print("  gpuguard idle CPU by thread: " + ", ".join(f"{name} {ms} ms/s" for name, ms in r["gpuguard_idle_threads_ms_per_s"]))
     if a.json:
