@@ -195,10 +195,8 @@ class Daemon:
             except (OSError, sqlite3.Error) as e:
                 log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
         if self.recorder is not None:
-            rec = self.recorder
-            self.poller.on_cycle.append(lambda snap: rec.record(snap, engines=self.hub.view("engines")))
-            self.hub.on_event(rec.add_event)  # written with the next cycle's samples
-            self.metrics.add("recorder", rec.collect)
+            self.hub.on_event(self.recorder.add_event)  # written with the cycle's samples
+            self.metrics.add("recorder", self.recorder.collect)
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
         if config.engines:  # the watchdog and its libraries only where engines are configured
@@ -243,10 +241,16 @@ class Daemon:
         # fast power sampling and the PSU budget (INCIDENTS §2)
         from gpuguard.policy.power_watch import PowerWatch, poller_channels
 
-        self.power = PowerWatch(self.hub, config.power, poller_channels(self.poller, self.hub), recorder=self.recorder)
+        self.power = PowerWatch(self.hub, config.power, poller_channels(self.poller, self.hub), recorder=self.recorder,
+                                recorder_cycle=True)
         self.poller.on_cycle.append(self.power.on_cycle)
         self.metrics.add("power", self.power.metrics)
         self.actions.provide(power=self.power.document)
+        if self.recorder is not None:
+            # after every other listener of the cycle: its samples, the power rows and the
+            # events the cycle raised go to disk in one transaction, one fsync a second
+            rec = self.recorder
+            self.poller.on_cycle.append(lambda snap: rec.record(snap, engines=self.hub.view("engines")))
 
     def _kernel_event(self, e) -> None:
         self.hub.publish(e)  # counted by the GPU state owner (router → hub.gpus.kernel_event)

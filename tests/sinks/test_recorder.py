@@ -67,3 +67,64 @@ def test_unknown_values_are_null_not_zero(tmp_path):
     r.record(HostSnapshot(time=2e9, gpus=(g,))).result()
     assert r.query("SELECT power_w, errors FROM samples") == [(None, '{"power_watts": "EIO"}')]
     r.close()
+
+
+def _commits(rec: FlightRecorder) -> list[str]:
+    seen: list[str] = []
+    rec._pool.submit(lambda: rec._db.set_trace_callback(
+        lambda sql: seen.append(sql) if sql.strip().upper().startswith("COMMIT") else None)).result()
+    return seen
+
+
+def test_power_rows_of_a_cycle_go_in_the_cycles_own_transaction(tmp_path):
+    """Issue 15: the daemon's power rows used to be a second commit (and fsync) every second;
+    with `cycle=True` they wait for the cycle's record() and share its commit."""
+    rec = FlightRecorder(str(tmp_path / "f.sqlite"))
+    commits = _commits(rec)
+    t = time.time()
+    row = (t, "r9700-a", "0000:05:00.0", "power1_average", 20, 290.0, 288.0, 250.0, 0)
+    assert rec.record_power({"power_windows": [row]}, cycle=True) is None
+    assert rec.query("SELECT count(*) FROM power_windows") == [(0,)]   # held for the cycle
+    rec.record(snap(t, 250.0)).result()
+    assert commits == ["COMMIT"]
+    assert rec.query("SELECT count(*) FROM power_windows") == [(1,)]
+    assert rec.query("SELECT count(*) FROM samples") == [(1,)]
+    rec.record(snap(t + 1, 251.0)).result()
+    assert rec.query("SELECT count(*) FROM power_windows") == [(1,)]   # taken once, not again
+    rec.record_power({"power_windows": [row]}).result()                # without cycle: at once
+    assert len(commits) == 3
+    rec.close()
+
+
+def test_a_daemon_poll_cycle_is_one_commit(tmp_path):
+    """Samples, power windows and the cycle's events: one transaction a cycle."""
+    import asyncio
+
+    from gpuguard.config import parse_config
+    from gpuguard.daemon import Daemon
+    from gpuguard.sim.runner import build_scenario
+    from gpuguard.sim.tree import write_tree
+
+    host = build_scenario("incident")
+    host.set_load("0000:05:00.0", 1.0)
+    host.step(1.0)
+    write_tree(host, str(tmp_path / "root"))
+    (tmp_path / "kmsg").write_text("")
+    cfg = parse_config(f"sysfs_root: {tmp_path / 'root'}\nstate_dir: {tmp_path / 'state'}\n"
+                       f"kernel: {{kmsg_path: {tmp_path / 'kmsg'}, udev: false}}\n")
+
+    async def main() -> tuple[list[str], list]:
+        d = Daemon(cfg)
+        try:
+            commits = _commits(d.recorder)
+            await d.poller.poll_once()
+            await d.poller.poll_once()
+            d.recorder._pool.submit(lambda: None).result()   # the queued transactions are done
+            return commits, d.recorder.query("SELECT count(*) FROM power_windows")
+        finally:
+            d.poller.close()
+            d.power.close()
+            d.recorder.close()
+
+    commits, windows = asyncio.run(main())
+    assert commits == ["COMMIT", "COMMIT"] and windows == [(8,)]

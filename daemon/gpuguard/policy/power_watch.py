@@ -27,11 +27,14 @@ VIEW = "power"
 class PowerWatch:
     def __init__(self, hub: Hub, config: Any, channels: Callable[[], Iterable[PowerChannel]],
                  recorder: Any = None, sampler: PowerSampler | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, recorder_cycle: bool = False) -> None:
         self.hub = hub
         self.config = config
         self.channels = channels
         self.recorder = recorder
+        # the recorder writes this cycle's rows with its own transaction of the cycle
+        # (the daemon records after every other listener): one commit a second
+        self.recorder_cycle = recorder_cycle
         self.wall = wall
         self.sampler = sampler or PowerSampler(config.sample_hz, config.burst_seconds, config.cpu_budget_ratio, wall)
         self.budget = PsuBudget(config)
@@ -80,7 +83,7 @@ class PowerWatch:
                                    for t, w in self.sampler.burst(gpu, self._burst_done) if self._burst_done < t <= upto]
             self._burst_done = upto
         try:
-            self.recorder.record_power(rows)
+            self.recorder.record_power(rows, cycle=self.recorder_cycle)
         except Exception as e:  # noqa: BLE001 — a recorder problem never stops the power watch
             log.error("recorder: power rows not queued: %s", e)
 

@@ -82,6 +82,8 @@ class FlightRecorder:
         self.pruned_for_size = 0
         self._backlog: collections.deque[Event] = collections.deque()
         self._backlog_lock = threading.Lock()
+        # power rows handed in for the cycle's own transaction (record_power(cycle=True))
+        self._power_rows: dict[str, list[tuple]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuguard-recorder")
         self._db: sqlite3.Connection | None = None
         self._last_prune = 0.0
@@ -212,14 +214,24 @@ class FlightRecorder:
         the future (tests wait on it, the daemon does not)."""
         t = snap.time if snap else time.time()
         evs = self._take_backlog() + list(events)
+        with self._backlog_lock:
+            power, self._power_rows = self._power_rows, {}
         return self._pool.submit(self._write, self.sample_rows(snap) if snap else [], self.event_rows(evs),
-                                 self.engine_rows(engines, t))
+                                 self.engine_rows(engines, t), power)
 
-    def record_power(self, power: dict[str, list[tuple]]) -> concurrent.futures.Future:
-        """Queue rows for the power tables ({table: rows}, see POWER_TABLES) in one transaction."""
+    def record_power(self, power: dict[str, list[tuple]], cycle: bool = False) -> concurrent.futures.Future | None:
+        """Queue rows for the power tables ({table: rows}, see POWER_TABLES) in one transaction;
+        with `cycle`, in the transaction of the next `record()` instead, which the daemon
+        makes right after in the same poll cycle: one commit and one fsync a second, not
+        two (issue 15: each is a wakeup of the recorder's thread and a journal write)."""
         unknown = set(power) - set(POWER_TABLES)
         if unknown:
             raise ValueError(f"no recorder table {sorted(unknown)}; power tables: {sorted(POWER_TABLES)}")
+        if cycle:
+            with self._backlog_lock:
+                for table, rows in power.items():
+                    self._power_rows.setdefault(table, []).extend(rows)
+            return None
         return self._pool.submit(self._write, [], [], [], power)
 
     def bytes_on_disk(self) -> int:
