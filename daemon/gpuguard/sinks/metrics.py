@@ -193,12 +193,15 @@ class MetricsSink:
         self._lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Exposition(self))
-        self.add("build", build_families)
+        # inputs: the same key serves the text rendered before (a scrape between two polls,
+        # and these blocks between any two changes, cost a lookup, not a render)
+        self.add("build", build_families, inputs=lambda: ("build",))
         self.add("gpu", lambda: gpu_families(hub),
                  inputs=lambda: same_objects(hub.snapshot) + tuple((m.name, m.match) for m in hub.gpus.missing()))
-        self.add("nvml", lambda: nvml_families(hub.snapshot))  # NVIDIA health through NVML
+        self.add("nvml", lambda: nvml_families(hub.snapshot),  # NVIDIA health through NVML
+                 inputs=lambda: same_objects(hub.snapshot))
         self.add("poller", lambda: poller_families(hub))
-        self.add("kernel", lambda: kernel_families(hub))
+        self.add("kernel", lambda: kernel_families(hub), inputs=lambda: tuple(sorted(hub.gpus.kernel_counts.items())))
         for produce in producers:
             self.add_producer(produce)
 
