@@ -234,9 +234,9 @@ def test_ticks_fall_on_multiples_of_the_period():
     finally:
         s.close()
     phases = sorted((t % 0.05) for t in ticks[1:])   # the first read is at the start, not a tick
-    # a wakeup comes a little after its deadline, never before; most within 10 ms even on
+    # a wakeup comes a little after its deadline, never before; most within 15 ms even on
     # a loaded machine (a grid off by half a period would put the median at 25 ms)
-    assert phases[len(phases) // 2] < 0.01, phases
+    assert phases[len(phases) // 2] < 0.015, phases
 
 
 def test_no_sample_is_lost_when_windows_are_taken_while_it_reads():
