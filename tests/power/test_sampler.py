@@ -240,7 +240,8 @@ def test_ticks_fall_on_multiples_of_the_period():
 
 
 def test_no_sample_is_lost_when_windows_are_taken_while_it_reads():
-    """Windows are taken by swapping the list the reading thread appends to, without a lock:
+    """Windows take the samples counted so far off the front of the list the reading thread
+    appends to, without a lock:
     every sample read lands in exactly one window."""
     n = iter(range(1, 10**9))
     s = PowerSampler(hz=100, cpu_budget_ratio=1.0)

@@ -8,8 +8,8 @@ flight recorder keeps around a power alert) and the per-interval statistics
 (`PowerWindow`: peak, p99, mean, sample count, errors) that the poll cycle takes.
 
 Cheap by construction: a sample is one `pread()` of a file held open (or one NVML call)
-and a float parse, appended to a list without a lock (the window is taken by swapping the
-list). One thread for all GPUs, not one per GPU: a wakeup costs more than the read (on
+and a float parse, appended to a list without a lock (a window takes the samples counted
+so far off its front). One thread for all GPUs, not one per GPU: a wakeup costs more than the read (on
 the 2-core CI VM ~100 µs against ~10 µs), and four per-GPU threads contending for the GIL
 cost 3–4× one thread reading the same four files; the GPUs of one tick are also read
 within the same millisecond, which is what a supply sees summed. Ticks fall on multiples
@@ -116,7 +116,10 @@ class GpuSampler:
         self.wall = wall
         self.ring: collections.deque[tuple[float, float]] = collections.deque(maxlen=max(1, int(hz * ring_seconds)))
         self._lock = threading.Lock()  # the error counters and the window's overflow
-        self._values: list[float] = []  # appended by the reading thread, swapped by take_window
+        # appended by the reading thread; take_window takes the first n and deletes them
+        # (one list for good: a swapped list could still get the append of a reader that
+        # had loaded it before the swap, after its window was counted)
+        self._values: list[float] = []
         self._over_peak: float | None = None  # past MAX_WINDOW_SAMPLES: only the peak and count
         self._over_count = 0
         self._errors = 0
@@ -159,8 +162,8 @@ class GpuSampler:
             return
         values = self._values
         if len(values) < MAX_WINDOW_SAMPLES:
-            # no lock: list.append is atomic, and take_window swaps the list whole; an
-            # append to the list it just took is still counted in the window it returns
+            # no lock: list.append is atomic and only adds at the end, past what
+            # take_window has counted
             values.append(w)
         else:
             with self._lock:
@@ -173,7 +176,9 @@ class GpuSampler:
     def take_window(self) -> PowerWindow:
         """The statistics since the last call; starts a new window."""
         end = self.wall()
-        values, self._values = self._values, []
+        n = len(self._values)
+        values = self._values[:n]
+        del self._values[:n]
         with self._lock:
             over_peak, self._over_peak = self._over_peak, None
             over_count, self._over_count = self._over_count, 0
