@@ -81,8 +81,13 @@ async def parse_body(request: Request, model: type[_Body]) -> _Body:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        detail = [
-            {"loc": ["body", *e_["loc"]], "msg": e_["msg"], "type": e_["type"]}
-            for e_ in e.errors(include_url=False, include_input=False, include_context=False)
-        ]
-        raise HTTPException(422, detail=detail) from None
+        raise unprocessable(e, "body") from None
+
+
+def unprocessable(e: ValidationError, where: str) -> HTTPException:
+    """FastAPI's 422 for what pydantic refused in the request's `where` ("body", "query"):
+    `{"detail": [{"loc": [where, *field], "msg", "type"}]}`."""
+    return HTTPException(422, detail=[
+        {"loc": [where, *err["loc"]], "msg": err["msg"], "type": err["type"]}
+        for err in e.errors(include_url=False, include_input=False, include_context=False)
+    ])

@@ -3,7 +3,8 @@
 the demo). Nothing else in gpuguard opens `/sys/...` literally.
 
 Reads are one raw `os.read` per attribute: some hwmon drivers answer buffered reads with
-EAGAIN, and a sysfs show() returns the whole value on the first read anyway. A failed read
+EAGAIN, and a sysfs show() returns the whole value on the first read anyway. A file read
+many times a second is held open and read with one `pread` (`HeldAttribute`). A failed read
 raises `SysfsError` naming the file and the errno; callers record it as an error for that
 value, never as a zero.
 """
@@ -178,7 +179,6 @@ class HeldAttribute:
     still the one at its path (its link count), and reopens it when not."""
 
     def __init__(self, root: SysfsRoot, rel: str) -> None:
-        self.root = root
         self.rel = rel
         self._path = root.path(rel)
         self.rerenders = filesystem_type(self._path) in RERENDERING

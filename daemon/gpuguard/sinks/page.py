@@ -24,7 +24,7 @@ import json
 import operator
 import time
 from importlib import resources
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 from urllib.parse import quote
 
 from pydantic import Field
@@ -35,6 +35,9 @@ from starlette.responses import HTMLResponse, Response
 from gpuguard.report.history import ENGINE_SERIES, GPU_SERIES, FlightLog, HistoryError
 from gpuguard.sinks.read_api import Query, query, read_route
 from gpuguard.sinks.recorder import FlightRecorder
+
+if TYPE_CHECKING:
+    from gpuguard.sinks.api import Api
 
 ASSETS = {"page.js": "text/javascript", "page.css": "text/css", "favicon.svg": "image/svg+xml"}
 # The page may talk to its own origin only: a stray URL in a label can never phone home.
@@ -166,7 +169,7 @@ class IncidentQuery(Query):
     name: str = Field(max_length=200)
 
 
-def mount_page(app, recorder: Callable[[], FlightRecorder | None]) -> None:
+def mount_page(app: Api, recorder: Callable[[], FlightRecorder | None]) -> None:
     """Add the page's routes to the daemon's app (sinks/api.Api). `recorder()` is the
     running flight recorder, or None when `recorder.enabled` is off (history answers 501
     then)."""

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gpuguard.control.access import known_gpu, need, read_access
+from gpuguard.control.bodies import unprocessable
 from gpuguard.sinks.status import status_document
 from gpuguard.state.audit import jsonable
 
@@ -36,10 +37,7 @@ def query(request: Request, model: type[Query]) -> Any:
     try:
         return model.model_validate(dict(request.query_params))
     except ValidationError as e:
-        raise HTTPException(422, detail=[
-            {"loc": ["query", *err["loc"]], "msg": err["msg"], "type": err["type"]}
-            for err in e.errors(include_url=False, include_input=False, include_context=False)
-        ]) from None
+        raise unprocessable(e, "query") from None
 
 
 def read_route(path: str, fn: Callable[[Request], Any], *, open_: bool = False, blocking: bool = False) -> Route:
