@@ -140,3 +140,49 @@ power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, c
         hi, lo = c.execute("SELECT max(peak_w), min(peak_w) FROM power_windows WHERE samples > 0").fetchone()
         assert hi > 240 and lo < 190
         assert c.execute("SELECT count(*) FROM events WHERE kind = 'power_headroom_low'").fetchone()[0] == 1
+
+
+def test_an_idle_host_rests_the_sampler_and_load_brings_the_full_rate_back(sim, tmp_path):
+    """Both cards idle (a few watts against a 300 W cap): after `rest_after_seconds` the
+    sampler reads once a second (issue 15: an idle host pays one wakeup a second for it,
+    not 20) and says so on /metrics; a card put to work brings 20 Hz back within seconds
+    and its windows fill with fast samples again."""
+    mount, ctl = sim
+    port = free_port()
+    cfg = tmp_path / "gpuguard.yaml"
+    cfg.write_text(f"""
+sysfs_root: {mount}
+state_dir: {tmp_path / 'state'}
+listen: {{address: 127.0.0.1, port: {port}}}
+kernel: {{enabled: false}}
+poll: {{interval_seconds: 1.0}}
+gpus:
+  - {{name: r9700-a, match: {{bdf: "0000:05:00.0"}}}}
+  - {{name: r9700-b, match: {{bdf: "0000:08:00.0"}}}}
+power: {{sample_hz: 20, rest_after_seconds: 1, cpu_budget_ratio: 0.5}}
+""")
+    log = open(tmp_path / "daemon.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "gpuguard", "run", "--config", str(cfg)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def rates() -> dict:
+        assert proc.poll() is None, (tmp_path / "daemon.log").read_text()
+        m = metrics(base)
+        return {g: m.get(("gpuguard_power_sampler_hz", (("gpu", g),))) for g in R9700}
+
+    def window_samples() -> dict:
+        return {g["gpu"]: g["samples"] for g in httpx.get(f"{base}/v1/power", timeout=5).json()["gpus"]}
+
+    try:
+        poll_until(lambda: httpx.get(f"{base}/healthz", timeout=2).json()["ok"], timeout=30, what="the daemon")
+        poll_until(lambda: set(rates().values()) == {1.0}, timeout=30, what="the sampler at rest")
+        at_rest = poll_until(lambda: (w := window_samples()) and set(w.values()) == {1} and w, timeout=10,
+                             what="windows of one sample each")
+        assert set(at_rest) == set(R9700)
+        ctl("set_load", bdf=R9700["r9700-b"], level=1.0)
+        poll_until(lambda: set(rates().values()) == {20.0}, timeout=30, what="the full rate back")
+        poll_until(lambda: min(window_samples().values()) >= 10, timeout=30, what="full windows again")
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -130,3 +130,31 @@ def test_peaks_wandering_around_the_line_are_one_alert_cleared_only_clearly_belo
     assert interval(700, next(t)) == (False, ["power_headroom_ok"])  # the third in a row
     assert interval(790, next(t)) == (False, [])  # below the line: nothing to say
     assert interval(800, next(t)) == (True, ["power_headroom_low"])  # back at the line: a new condition
+
+
+def capped(cap_a: float | None, cap_b: float | None) -> HostSnapshot:
+    return HostSnapshot(time=0, gpus=tuple(
+        GpuSnapshot(name=n, bdf=b, vendor="1002", device_id="7551", driver="amdgpu", model="R9700", card=None,
+                    up=True, time=0, power_cap_watts=c) for n, b, c in (("a", A, cap_a), ("b", B, cap_b))))
+
+
+def test_each_gpus_rest_line_is_its_share_of_the_cap_and_zero_keeps_the_full_rate(sim_root):
+    """The sampler rests under `rest_below_ratio` of each GPU's cap (the cap the poll read
+    this cycle: a profile that lowers it moves the line); a GPU with no cap known has no
+    line; `rest_below_ratio: 0` never rests and a reload applies both settings."""
+    poller, hub = fake_poller(sim_root), Hub()
+    watch = PowerWatch(hub, PowerConfig(sample_hz=20, rest_below_ratio=0.2, rest_after_seconds=3),
+                       poller_channels(poller, hub))
+    try:
+        watch.on_cycle(capped(300.0, None))
+        s = watch.sampler
+        assert s.rest_after_s == 3
+        assert s.samplers["a"].rest_w == 60.0 and s.samplers["b"].rest_w is None
+        watch.on_cycle(capped(210.0, 300.0))
+        assert (s.samplers["a"].rest_w, s.samplers["b"].rest_w) == (42.0, 60.0)
+        watch.configure(PowerConfig(sample_hz=20, rest_below_ratio=0.0))
+        watch.on_cycle(capped(210.0, 300.0))
+        assert watch.sampler.rest_after_s is None
+        assert all(g.rest_w is None for g in watch.sampler.samplers.values())
+    finally:
+        watch.close()

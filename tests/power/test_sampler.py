@@ -262,3 +262,52 @@ def test_no_sample_is_lost_when_windows_are_taken_while_it_reads():
     means = [w for w in windows if w.samples]
     # the counter's values are consecutive: the windows' sums add up to 1 + 2 + ... + total
     assert round(sum(w.mean_w * w.samples for w in means)) == total * (total + 1) // 2
+
+
+def test_a_host_at_rest_is_read_once_a_second_and_work_brings_the_full_rate_back():
+    """Every GPU under its rest line for `rest_after_s`: one tick a second, on the whole
+    second (the poll's wakeup), instead of 20 — an idle inference host pays ~nothing for
+    the sampler (issue 15). The first reading over the line brings the full rate back."""
+    watts = {"x": 10.0}
+    ticks: list[tuple[float, float]] = []
+
+    def read() -> float:
+        ticks.append((time.monotonic(), watts["x"]))
+        return watts["x"]
+
+    s = PowerSampler(hz=20, cpu_budget_ratio=1.0, rest_after_s=0.3)
+    try:
+        s.set_rest_lines({"x": 50.0})
+        s.sync([PowerChannel("x", "-", "test", "a dial", read)])
+        poll_until(lambda: s.samplers["x"].hz == power_sampler.REST_HZ, timeout=10, what="the rest rate")
+        n = len(ticks)
+        poll_until(lambda: len(ticks) >= n + 3, timeout=10, what="three ticks at rest")
+        rest = [t for t, _ in ticks[n:n + 3]]
+        assert all(b - a >= 0.9 for a, b in zip(rest, rest[1:])), rest
+        assert all(t % 1.0 < 0.015 for t in rest[1:]), rest      # on the whole second
+        assert s.take_windows()["x"].hz == power_sampler.REST_HZ
+        watts["x"] = 200.0
+        poll_until(lambda: s.samplers["x"].hz == 20, timeout=5, what="the full rate back")
+        m = len(ticks)
+        poll_until(lambda: len(ticks) >= m + 10, timeout=5, what="ten fast ticks")
+        fast = [t for t, _ in ticks[m:m + 10]]
+        assert max(b - a for a, b in zip(fast, fast[1:])) < 0.5, fast
+    finally:
+        s.close()
+
+
+def test_a_gpu_without_a_rest_line_keeps_the_full_rate():
+    """No cap known (no line), or one GPU working while the other rests: full rate."""
+    values = {"idle": 10.0, "busy": 300.0}
+    s = PowerSampler(hz=20, cpu_budget_ratio=1.0, rest_after_s=0.2)
+    try:
+        s.set_rest_lines({"idle": 50.0, "busy": 50.0})
+        s.sync([PowerChannel(g, "-", "test", g, lambda g=g: values[g]) for g in values])
+        poll_until(lambda: s.samplers["idle"].samples_total >= 20, timeout=10, what="20 samples")
+        assert s.samplers["idle"].hz == 20          # its neighbour works: one thread, one rate
+        values["busy"] = 10.0
+        poll_until(lambda: s.samplers["idle"].hz == power_sampler.REST_HZ, timeout=10, what="rest")
+        s.set_rest_lines({"idle": 50.0})            # the other's cap unknown now
+        poll_until(lambda: s.samplers["idle"].hz == 20, timeout=5, what="the full rate back")
+    finally:
+        s.close()

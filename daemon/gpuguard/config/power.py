@@ -14,6 +14,14 @@ class PowerConfig(BaseModel):
     # Each GPU's sampling thread halves its rate when it uses more than this share of one
     # core (measured on the thread itself): telemetry must not become the load.
     cpu_budget_ratio: float = Field(0.02, gt=0, le=1.0)
+    # A GPU under this share of its power cap is at rest; with every GPU at rest for
+    # rest_after_seconds the sampler reads once a second (on the poll's second) instead of
+    # sample_hz, and the first reading over a line brings the full rate back. An idle host
+    # then pays one wakeup a second for the sampler, not 20 (issue 15). 0 = never rest.
+    rest_below_ratio: float = Field(0.2, ge=0, lt=1.0,
+                                    description="share of each GPU's cap under which it is at rest (0 = never rest)")
+    rest_after_seconds: float = Field(10.0, ge=0.1, le=3600,
+                                      description="every GPU at rest this long: the sampler slows to once a second")
     # Raw samples kept in memory per GPU; the ones before a headroom alert go to the
     # flight recorder with it.
     burst_seconds: float = Field(5.0, ge=0.5, le=60.0)

@@ -16,7 +16,8 @@ within the same millisecond, which is what a supply sees summed. Ticks fall on m
 of the period (of the monotonic clock), and the poll's ticks on multiples of its interval
 (poller.py), so the once-a-second work runs in a wakeup the sampler pays for anyway: on a
 virtual machine a thread woken from idle costs 100-250 µs before it does anything, most
-of the daemon's idle CPU (issue 15). The thread measures its
+of the daemon's idle CPU (issue 15). While every GPU is at rest (under a line the
+power watch sets from its cap) the thread ticks once a second (`REST_HZ`). The thread measures its
 own CPU time and halves its rate (down to `MIN_HZ`) when it spends more than its budget —
 the daemon's telemetry must never become the load.
 
@@ -38,6 +39,12 @@ from typing import Callable, Iterable
 log = logging.getLogger("gpuguard.power")
 
 MIN_HZ = 2.0
+# With every GPU under its rest line (PowerSampler.set_rest_lines) for `rest_after_s`, the
+# thread ticks once a second, on the whole second where the poll wakes anyway: an idle
+# inference host then pays one wakeup a second for the sampler, not 20 (issue 15). A GPU
+# drawing a fifth of its cap cannot put a supply at risk; the first reading over its line
+# brings the full rate back at the next tick (at most a second after the load starts).
+REST_HZ = 1.0
 BUDGET_CHECK_S = 5.0
 # A window nobody takes (a wedged poll loop) must not grow without bound: past this many
 # samples only the peak and the count move on.
@@ -127,6 +134,10 @@ class GpuSampler:
         self._window_start = wall()
         self.samples_total = 0
         self.errors_total = 0
+        # the last reading and the line under which this GPU is at rest (None: unknown, so
+        # never at rest); read by the sampling thread to choose its rate
+        self.last_w: float | None = None
+        self.rest_w: float | None = None
         self.cpu_seconds = 0.0  # its share of the sampling thread's CPU time (time.thread_time)
         self.stopped = False
         self.driver: _SamplerThread | None = None
@@ -159,7 +170,9 @@ class GpuSampler:
                 self._errors += 1
                 self.errors_total += 1
                 self._last_error = f"{type(e).__name__}: {e}"
+            self.last_w = None  # a sensor that fails is not known to rest
             return
+        self.last_w = w
         values = self._values
         if len(values) < MAX_WINDOW_SAMPLES:
             # no lock: list.append is atomic and only adds at the end, past what
@@ -206,9 +219,11 @@ class _SamplerThread:
 
     _n = 0
 
-    def __init__(self, members: list[GpuSampler], hz: float, cpu_budget_ratio: float) -> None:
+    def __init__(self, members: list[GpuSampler], hz: float, cpu_budget_ratio: float,
+                 rest_after_s: float | None = None) -> None:
         self.members: tuple[GpuSampler, ...] = tuple(members)
-        self.hz = float(hz)
+        self.hz = float(hz)  # the full rate (halved when over budget)
+        self.rest_after_s = rest_after_s  # None: never rests
         self.cpu_budget_ratio = cpu_budget_ratio
         self.reading: GpuSampler | None = None  # the GPU whose read is in progress
         self.reading_since = 0.0  # monotonic
@@ -240,10 +255,21 @@ class _SamplerThread:
         r = self.reading
         return r if r is not None and now - self.reading_since > max(STUCK_AFTER_S, 2.0 / self.hz) else None
 
+    def at_rest(self, members: tuple[GpuSampler, ...]) -> bool:
+        """Every GPU's last reading under its rest line (a GPU without a line, or whose
+        read failed, is not at rest)."""
+        for m in members:
+            w, line = m.last_w, m.rest_w
+            if w is None or line is None or w >= line:
+                return False
+        return True
+
     def _run(self) -> None:
         monotonic, sleep, wall = time.monotonic, time.sleep, time.time
         period = 1.0 / self.hz
         next_t = on_grid(monotonic(), period)
+        resting = False
+        working_t = monotonic()  # the last tick that found a GPU over its line
         check_cpu, check_t = time.thread_time(), monotonic()
         last: tuple[GpuSampler, ...] = self.members
         try:
@@ -266,13 +292,28 @@ class _SamplerThread:
                     self.reading = m
                     m.sample(t)
                 self.reading = None
+                if self.rest_after_s is not None:
+                    if not self.at_rest(members):
+                        working_t = now
+                        if resting:  # work again: the full rate from the next tick of its grid
+                            resting = False
+                            period = 1.0 / self.hz
+                            next_t = on_grid(now, period) - period
+                            for m in members:
+                                m.hz = self.hz
+                    elif not resting and now - working_t >= self.rest_after_s:
+                        resting = True
+                        period = 1.0 / REST_HZ
+                        next_t = on_grid(now, period) - period
+                        for m in members:
+                            m.hz = REST_HZ
                 if now - check_t >= BUDGET_CHECK_S:
                     cpu = time.thread_time()
                     share = (cpu - check_cpu) / (now - check_t)
                     for m in members:
                         m.cpu_seconds += (cpu - check_cpu) / len(members)
                     # the budget is per GPU: a thread reading n GPUs may spend n shares
-                    if share > self.cpu_budget_ratio * len(members) and self.hz > MIN_HZ:
+                    if share > self.cpu_budget_ratio * len(members) and self.hz > MIN_HZ and not resting:
                         self.hz = max(MIN_HZ, self.hz / 2)
                         period = 1.0 / self.hz
                         for m in members:
@@ -313,8 +354,10 @@ class PowerSampler:
     renumbered hwmon)."""
 
     def __init__(self, hz: float = 20.0, ring_seconds: float = 10.0, cpu_budget_ratio: float = 0.01,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, rest_after_s: float | None = None) -> None:
         self.hz = hz
+        self.rest_after_s = rest_after_s  # None: the full rate always
+        self.rest_lines: dict[str, float] = {}
         self.ring_seconds = ring_seconds
         self.cpu_budget_ratio = cpu_budget_ratio
         self.wall = wall
@@ -339,6 +382,7 @@ class PowerSampler:
                 if gpu not in self.samplers:
                     log.info("power sampler gpu=%s bdf=%s reads %s (%s) at %g Hz", c.gpu, c.bdf, c.where, c.source, self.hz)
                     s = self.samplers[gpu] = GpuSampler(c, self.hz, self.ring_seconds, self.cpu_budget_ratio, self.wall)
+                    s.rest_w = self.rest_lines.get(gpu)
                     new.append(s)
             self._rehome_stuck()
             if new and not (self._shared is not None and self._shared.add(new)):
@@ -349,7 +393,7 @@ class PowerSampler:
         """Put `members` on a new shared thread (the old one, if any, keeps only what is
         not moved: a stuck GPU, or nothing, and then it ends)."""
         old = self._shared
-        t = _SamplerThread(members, self.hz, self.cpu_budget_ratio)
+        t = _SamplerThread(members, self.hz, self.cpu_budget_ratio, self.rest_after_s)
         if old is not None:
             moved = {id(m) for m in members}
             old.members = tuple(m for m in old.members if id(m) not in moved)
@@ -372,12 +416,21 @@ class PowerSampler:
         shared.members = (stuck,)
         self._shared = self._shared if others else None
 
-    def set_rate(self, hz: float, ring_seconds: float, cpu_budget_ratio: float) -> None:
+    def set_rest_lines(self, lines: dict[str, float]) -> None:
+        """Each GPU's rest line in watts (a GPU left out has none and is never at rest)."""
+        self.rest_lines = dict(lines)
+        for gpu, s in list(self.samplers.items()):
+            s.rest_w = lines.get(gpu)
+
+    def set_rate(self, hz: float, ring_seconds: float, cpu_budget_ratio: float,
+                 rest_after_s: float | None = None) -> None:
         """New settings (a reload): the threads stop and the next `sync` starts new ones."""
-        if (hz, ring_seconds, cpu_budget_ratio) == (self.hz, self.ring_seconds, self.cpu_budget_ratio):
+        if (hz, ring_seconds, cpu_budget_ratio, rest_after_s) == (self.hz, self.ring_seconds, self.cpu_budget_ratio,
+                                                                  self.rest_after_s):
             return
         with self._lock:
             self.hz, self.ring_seconds, self.cpu_budget_ratio = hz, ring_seconds, cpu_budget_ratio
+            self.rest_after_s = rest_after_s
             for s in self.samplers.values():
                 s.stop()
             self.samplers = {}

@@ -36,7 +36,8 @@ class PowerWatch:
         # (the daemon records after every other listener): one commit a second
         self.recorder_cycle = recorder_cycle
         self.wall = wall
-        self.sampler = sampler or PowerSampler(config.sample_hz, config.burst_seconds, config.cpu_budget_ratio, wall)
+        self.sampler = sampler or PowerSampler(config.sample_hz, config.burst_seconds, config.cpu_budget_ratio, wall,
+                                               rest_after(config))
         self.budget = PsuBudget(config)
         self.last: HostPower | None = None
         # raw samples around an alert: the seconds before it at once, the ones after it
@@ -49,13 +50,14 @@ class PowerWatch:
         the threads at the next cycle."""
         self.config = config
         self.budget.configure(config)
-        self.sampler.set_rate(config.sample_hz, config.burst_seconds, config.cpu_budget_ratio)
+        self.sampler.set_rate(config.sample_hz, config.burst_seconds, config.cpu_budget_ratio, rest_after(config))
 
     def on_cycle(self, snap: HostSnapshot | None) -> HostPower:
         now = self.wall()
         self.sampler.sync(self.channels() if self.config.sampler else ())
         windows = self.sampler.take_windows()
         snaps = {g.name: g for g in snap.gpus} if snap is not None else {}
+        self._rest_lines(snaps)
         hp, events = self.budget.evaluate(windows, now, snaps)
         self.last = hp
         self.hub.set_view(VIEW, hp)
@@ -66,6 +68,15 @@ class PowerWatch:
         if self.recorder is not None:
             self._record(hp, [e for e in events if e.kind == "power_headroom_low"])
         return hp
+
+    def _rest_lines(self, snaps: dict) -> None:
+        """Each GPU's rest line from the cap the poll read this cycle (a profile that
+        lowers the cap moves it); no cap known, no line: that GPU never rests."""
+        ratio = self.config.rest_below_ratio
+        caps = {name: getattr(g, "power_cap_watts", None) for name, g in snaps.items()}
+        lines = {name: cap * ratio for name, cap in caps.items() if ratio > 0 and cap} if snaps else self.sampler.rest_lines
+        if lines != self.sampler.rest_lines:
+            self.sampler.set_rest_lines(lines)
 
     def _record(self, hp: HostPower, alerts: list) -> None:
         rows: dict[str, list[tuple]] = {
@@ -133,6 +144,11 @@ class PowerWatch:
 
     def close(self) -> None:
         self.sampler.close()
+
+
+def rest_after(config: Any) -> float | None:
+    """How long every GPU must be at rest before the sampler slows; None: never."""
+    return config.rest_after_seconds if config.rest_below_ratio > 0 else None
 
 
 def poller_channels(poller: Any, hub: Hub) -> Callable[[], list[PowerChannel]]:
