@@ -1,7 +1,9 @@
 """Benchmark (not a test): gpuguard's cost beside node_exporter's, on the same sysfs tree.
 
 Both run side by side on the simulated host written as a plain tree (4 GPUs: the incident
-host; 32 GPUs: bench32):
+host; 32 GPUs: bench32), each tree twice: `rest` (every GPU idle, as the simulator starts:
+an inference host between requests; gpuguard's power sampler rests at one read a second)
+and `mixed` (GPUs at 0, 1/3, 2/3 and full load: the sampler at its full 20 Hz):
 
   gpuguard       `gpuguard run --sysfs-root TREE` with the default features (1 s poll,
                  20 Hz power sampler, flight recorder, kernel log reader, udev); only the
@@ -22,8 +24,13 @@ recorder, the event loop. gpuguard runs as installed (bench/processes.installed_
 `--daemon-dir` runs another checkout's daemon/ (a before/after in one sitting), and the
 host's current wakeup cost is printed with the figures: compare runs only beside it.
 
-    python bench/vs_node_exporter.py [--gpus 4 32] [--idle 30] [--scrape 120] [--json FILE]
-                                     [--daemon-dir DIR] [--extra-config YAML]
+    python bench/vs_node_exporter.py [--gpus 4 32] [--load rest mixed] [--idle 30] [--scrape 120]
+                                     [--json FILE] [--daemon-dir DIR] [--extra-config YAML] [--neighbour]
+
+`--neighbour` keeps a nice-19 spinning process on every CPU throughout: a virtual machine
+charges the thread woken on a halted CPU for the CPU's resume (50-80 us a wakeup here,
+16-19 us with the CPU busy; a few us on bare metal), which weighs on a process that wakes
+20 times a second (the sampler at full rate) far more than on one that wakes per scrape.
 
 Targets: CPU at 1 Hz ≤ 1.5× node_exporter's, scrape p99 ≤ node_exporter's, RSS ≤ 48 MiB.
 Run it on a quiet machine: the figures are ratios from one run, but a busy neighbour
@@ -127,13 +134,33 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float, daemon_dir: str, extra_config: str) -> dict:
+LOADS = {
+    # every GPU idle, the simulator's own start: an inference host between requests; the
+    # power sampler rests (one read a second) once rest_after_seconds have passed
+    "rest": lambda i: 0.0,
+    # GPUs at 0, 1/3, 2/3 and full load: the sampler at its full 20 Hz
+    "mixed": lambda i: (i % 4) / 3,
+}
+
+
+def busy_neighbours() -> list[subprocess.Popen]:
+    """One spinning process per CPU at nice 19: it yields to both services at once, but
+    keeps every CPU out of its idle halt. On a virtual machine the thread woken on a
+    halted CPU is charged the CPU's resume (measured here: a C thread's 50 ms-sleep
+    wakeup costs 50-80 us of its own CPU time on an idle VM, 16-19 us with the CPU busy);
+    on bare metal that charge is a few microseconds either way."""
+    return [subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
+            for _ in range(os.cpu_count() or 1)]
+
+
+def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float, daemon_dir: str, extra_config: str,
+            load: str = "mixed") -> dict:
     tmp = tempfile.mkdtemp(prefix=f"gpuguard-vs-ne-{gpus}-")
     procs: list[subprocess.Popen] = []
     try:
         host = build_scenario(SCENARIO[gpus])
         for i, bdf in enumerate(host.gpus):
-            host.set_load(bdf, (i % 4) / 3)
+            host.set_load(bdf, LOADS[load](i))
         host.step(2.0)
         tree = os.path.join(tmp, "tree")
         write_tree(host, tree)
@@ -200,7 +227,7 @@ def run_one(gpus: int, idle_s: float, scrape_s: float, warm_s: float, daemon_dir
         v1 = {n: switches(p.pid) for n, (p, _) in targets.items()}
         for c in clients.values():
             c.close()
-        out: dict = {"gpus": gpus, "idle_seconds": round(idle_wall, 1), "scrape_seconds": round(scrape_wall, 1),
+        out: dict = {"gpus": gpus, "load": load, "idle_seconds": round(idle_wall, 1), "scrape_seconds": round(scrape_wall, 1),
                      "scrapes": tick, "load_before": os.getloadavg()[0]}
         for n, (p, _) in targets.items():
             mem = memory(p.pid)
@@ -247,34 +274,50 @@ def main() -> int:
     ap.add_argument("--daemon-dir", default=os.path.join(HERE, "..", "daemon"),
                     help="the daemon/ folder to run (another checkout's, for a before/after)")
     ap.add_argument("--extra-config", default="", help="YAML appended to gpuguard's config")
+    ap.add_argument("--load", nargs="+", default=["rest", "mixed"], choices=sorted(LOADS),
+                    help="rest: every GPU idle; mixed: GPUs at 0, 1/3, 2/3, full load")
+    ap.add_argument("--neighbour", action="store_true",
+                    help="a nice-19 spinning process per CPU throughout (no CPU halts between wakeups)")
     a = ap.parse_args()
     if not NODE_EXPORTER:
         print("prometheus-node-exporter not found: apt-get install prometheus-node-exporter", file=sys.stderr)
         return 2
     results = []
-    print(f"{os.path.abspath(a.daemon_dir)}; this host's wakeup cost now: {wakeup_cost_us():.0f} us "
-          f"per 50 ms sleep (Python, four held-file reads)")
-    for n in a.gpus:
-        r = run_one(n, a.idle, a.scrape, a.warm, a.daemon_dir, a.extra_config)
-        results.append(r)
-        g, ne, ratio = r["gpuguard"], r["node_exporter"], r["ratio"]
-        print(f"\n{n} GPUs (load average {r['load_before']:.1f} before; {r['scrapes']} scrapes each)")
-        print(f"  {'':14s} {'idle CPU':>10s} {'CPU at 1 Hz':>12s} {'exact':>10s} {'wakeups':>9s} {'p50':>8s} "
-              f"{'p99':>8s} {'body':>9s} {'RSS':>8s} {'peak':>8s}")
-        for name, m in (("gpuguard", g), ("node_exporter", ne)):
-            print(f"  {name:14s} {m['idle_cpu_ms_per_s']:7.2f}ms/s {m['scraped_cpu_ms_per_s']:9.2f}ms/s "
-                  f"{m['scraped_cpu_exact_ms_per_s']:7.2f}ms/s {m['scraped_switches_per_s']:7.1f}/s "
-                  f"{m['scrape_p50_ms']:6.2f}ms {m['scrape_p99_ms']:6.2f}ms {m['body_bytes']:8d}B "
-                  f"{m['rss_mib']:6.1f}Mi {m['rss_peak_mib']:6.1f}Mi")
-        print(f"  ratio gpuguard/node_exporter: CPU at 1 Hz {ratio['cpu_scraped']}× (exact {ratio['cpu_scraped_exact']}×), "
-              f"p50 {ratio['scrape_p50']}×, p99 {ratio['scrape_p99']}×")
-        print("  gpuguard idle CPU by thread: " + ", ".join(f"{name} {ms} ms/s" for name, ms in r["gpuguard_idle_threads_ms_per_s"]))
+    neighbours = busy_neighbours() if a.neighbour else []
+    try:
+        print(f"{os.path.abspath(a.daemon_dir)}; this host's wakeup cost now: {wakeup_cost_us():.0f} us "
+              f"per 50 ms sleep (Python, four held-file reads)" + ("; busy neighbours on every CPU" if neighbours else ""))
+        for n in a.gpus:
+            for load in a.load:
+                # past rest_after_seconds (10 s) before measuring, so a resting tree is at rest
+                results.append(run_one(n, a.idle, a.scrape, max(a.warm, 12.0) if load == "rest" else a.warm,
+                                       a.daemon_dir, a.extra_config, load))
+                report(results[-1])
+    finally:
+        for p in neighbours:
+            p.kill()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
     ok = all(r["ratio"]["cpu_scraped"] <= 1.5 and r["ratio"]["scrape_p99"] <= 1.0 and r["gpuguard"]["rss_mib"] <= 48
              for r in results)
     return 0 if ok else 1
+
+
+def report(r: dict) -> None:
+    n = r["gpus"]
+    g, ne, ratio = r["gpuguard"], r["node_exporter"], r["ratio"]
+    print(f"\n{n} GPUs, {r['load']} (load average {r['load_before']:.1f} before; {r['scrapes']} scrapes each)")
+    print(f"  {'':14s} {'idle CPU':>10s} {'CPU at 1 Hz':>12s} {'exact':>10s} {'wakeups':>9s} {'p50':>8s} "
+          f"{'p99':>8s} {'body':>9s} {'RSS':>8s} {'peak':>8s}")
+    for name, m in (("gpuguard", g), ("node_exporter", ne)):
+        print(f"  {name:14s} {m['idle_cpu_ms_per_s']:7.2f}ms/s {m['scraped_cpu_ms_per_s']:9.2f}ms/s "
+              f"{m['scraped_cpu_exact_ms_per_s']:7.2f}ms/s {m['scraped_switches_per_s']:7.1f}/s "
+              f"{m['scrape_p50_ms']:6.2f}ms {m['scrape_p99_ms']:6.2f}ms {m['body_bytes']:8d}B "
+              f"{m['rss_mib']:6.1f}Mi {m['rss_peak_mib']:6.1f}Mi")
+    print(f"  ratio gpuguard/node_exporter: CPU at 1 Hz {ratio['cpu_scraped']}× (exact {ratio['cpu_scraped_exact']}×), "
+          f"p50 {ratio['scrape_p50']}×, p99 {ratio['scrape_p99']}×")
+    print("  gpuguard idle CPU by thread: " + ", ".join(f"{name} {ms} ms/s" for name, ms in r["gpuguard_idle_threads_ms_per_s"]))
 
 
 if __name__ == "__main__":
