@@ -12,6 +12,7 @@ from gpuguard.policy.power_watch import PowerWatch, poller_channels
 from gpuguard.sim.host import SimHost
 from gpuguard.state.hub import HostSnapshot, Hub
 from gpuguard.state.snapshot import GpuSnapshot
+from support import poll_until
 
 A, B = "0000:05:00.0", "0000:08:00.0"
 
@@ -156,5 +157,37 @@ def test_each_gpus_rest_line_is_its_share_of_the_cap_and_zero_keeps_the_full_rat
         watch.on_cycle(capped(210.0, 300.0))
         assert watch.sampler.rest_after_s is None
         assert all(g.rest_w is None for g in watch.sampler.samplers.values())
+    finally:
+        watch.close()
+
+
+def test_no_gpu_rests_while_the_host_peaks_are_near_the_psu_line(sim_root):
+    """Cards idling under their rest lines still sum to most of a small supply: the
+    sampler keeps its full rate while the host's peaks reach 80 % of the PSU line, and
+    rests again once they are clear of it."""
+    from gpuguard.hw.power_sampler import PowerChannel
+
+    watts = {"a": 50.0, "b": 50.0}
+    channels = [PowerChannel(g, b, "test", g, lambda g=g: watts[g]) for g, b in (("a", A), ("b", B))]
+    hub = Hub()
+    # line = 200 · (1 - 0.25) = 150 W; the cards' 100 W is 67 % of it: rest
+    watch = PowerWatch(hub, PowerConfig(sample_hz=20, psu_watts=200, margin_ratio=0.25, rest_below_ratio=0.2),
+                       lambda: channels)
+    try:
+        def new_samples():
+            taken = {g: s.samples_total for g, s in watch.sampler.samplers.items()}   # in the last windows
+            poll_until(lambda: all(s.samples_total > taken[g] for g, s in watch.sampler.samplers.items()),
+                       timeout=10, what="a new sample of each")
+
+        watch.on_cycle(capped(300.0, 300.0))
+        new_samples()
+        hp = watch.on_cycle(capped(300.0, 300.0))
+        assert hp.host_peak_w == 100.0
+        assert {g: s.rest_w for g, s in watch.sampler.samplers.items()} == {"a": 60.0, "b": 60.0}
+        watch.configure(PowerConfig(sample_hz=20, psu_watts=160, margin_ratio=0.25, rest_below_ratio=0.2))
+        new_samples()
+        hp = watch.on_cycle(capped(300.0, 300.0))   # line 120 W: 100 W is 83 % of it
+        assert hp.limit_w == 120.0
+        assert all(s.rest_w is None for s in watch.sampler.samplers.values())
     finally:
         watch.close()

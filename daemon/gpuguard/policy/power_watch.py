@@ -22,6 +22,9 @@ from gpuguard.state.hub import HostSnapshot, Hub
 
 log = logging.getLogger("gpuguard.power")
 VIEW = "power"
+# No GPU rests while the host's peaks reach this share of the PSU line (power.psu_watts
+# less the margin): there the transients matter however little each card draws.
+REST_NEAR_LINE = 0.8
 
 
 class PowerWatch:
@@ -57,8 +60,8 @@ class PowerWatch:
         self.sampler.sync(self.channels() if self.config.sampler else ())
         windows = self.sampler.take_windows()
         snaps = {g.name: g for g in snap.gpus} if snap is not None else {}
-        self._rest_lines(snaps)
         hp, events = self.budget.evaluate(windows, now, snaps)
+        self._rest_lines(snaps, hp)
         self.last = hp
         self.hub.set_view(VIEW, hp)
         for e in events:
@@ -69,10 +72,14 @@ class PowerWatch:
             self._record(hp, [e for e in events if e.kind == "power_headroom_low"])
         return hp
 
-    def _rest_lines(self, snaps: dict) -> None:
+    def _rest_lines(self, snaps: dict, hp: HostPower) -> None:
         """Each GPU's rest line from the cap the poll read this cycle (a profile that
-        lowers the cap moves it); no cap known, no line: that GPU never rests."""
+        lowers the cap moves it); no cap known, no line: that GPU never rests. Nor does
+        any GPU while the host's peaks are within sight of the PSU line: eight cards
+        idling at a fifth of their cap can still be most of a small supply."""
         ratio = self.config.rest_below_ratio
+        if hp.limit_w is not None and hp.host_peak_w is not None and hp.host_peak_w >= REST_NEAR_LINE * hp.limit_w:
+            ratio = 0.0
         caps = {name: getattr(g, "power_cap_watts", None) for name, g in snaps.items()}
         lines = {name: cap * ratio for name, cap in caps.items() if ratio > 0 and cap} if snaps else self.sampler.rest_lines
         if lines != self.sampler.rest_lines:
