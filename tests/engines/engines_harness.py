@@ -156,3 +156,14 @@ def engine_cfg(name: str, kind: str, url: str, **kw):
     process = kw.pop("process", None)
     data = {"name": name, "kind": kind, "url": url, "process": process, **kw}
     return EngineConfig.model_validate(data)
+
+
+# A process whose main thread has ended while another thread runs on: /proc shows its
+# leader as a zombie ("Z"), psutil says STATUS_ZOMBIE, yet it lives, holds its GPU memory
+# and stays in its cgroup. A SIGKILL'd multi-threaded engine passes through the same state
+# while its threads are torn down (CI caught a kill that said "gone" in that window).
+ZOMBIE_LEADER = ("import ctypes, signal, threading, time\n"
+                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                 "threading.Thread(target=lambda: [time.sleep(0.05) for _ in iter(int, 1)]).start()\n"
+                 "print('ready', flush=True)\n"
+                 "ctypes.CDLL(None).pthread_exit(None)\n")

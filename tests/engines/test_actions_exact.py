@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
+from engines_harness import ZOMBIE_LEADER, alive
 from support import poll_until
 
 
@@ -128,6 +129,15 @@ def test_a_stopped_process_gets_sigkill(started):
     poll_until(lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED, timeout=30, what="the process stopped")
     res = asyncio.run(kill_engine((p.pid,), grace=0.2))
     assert (res.signals, res.escalated, res.gone) == ((f"SIGTERM pid {p.pid}", f"SIGKILL pid {p.pid}"), True, True)
+
+
+def test_a_process_whose_leader_thread_ended_is_alive_until_its_last_thread_is(started):
+    p = started(ZOMBIE_LEADER)
+    poll_until(lambda: psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE, timeout=30,
+               what="the leader thread ended")
+    res = asyncio.run(kill_engine((p.pid,), grace=0.2))
+    assert (res.signals, res.escalated) == ((f"SIGTERM pid {p.pid}", f"SIGKILL pid {p.pid}"), True)
+    assert res.gone and not os.path.exists(f"/proc/{p.pid}")   # our child: reaped by the kill
 
 
 def test_the_whole_tree_in_pid_order_and_never_ourselves(started):
@@ -289,18 +299,22 @@ def test_the_cgroup_members_are_signalled_and_dead_ones_listed_count_as_gone(sta
     assert not psutil.pid_exists(other.pid)  # ended by the SIGTERM and reaped by the kill
 
 
-def test_a_process_that_appears_in_the_cgroup_after_the_kill_is_a_survivor(started, tmp_path):
-    """What joined the cgroup after the last signal is still running: not gone, named."""
+def test_a_process_that_joins_the_cgroup_during_the_grace_is_waited_for_and_killed(started, tmp_path):
+    """The engine exits on SIGTERM but leaves a process in its cgroup (outside its tree):
+    the engine is not gone while that one lives — after the grace it gets SIGKILL. (Until
+    the kill waited on the cgroup itself, this came back "not gone, a survivor" at once.)"""
     folder = tmp_path / "engine.scope"
     folder.mkdir()
     procs = folder / "cgroup.procs"
     main = started(LEAVES_A_STRAGGLER.replace("sys.argv[1], sys.argv[2]", f"{str(procs)!r}, 'exit'"))
     procs.write_text(f"{main.pid}\n")
-    res = asyncio.run(kill_engine((main.pid,), grace=5.0, cgroup=folder))
+    res = asyncio.run(kill_engine((main.pid,), grace=1.0, cgroup=folder))
     straggler = _straggler(procs, f"{main.pid}")
     try:
-        assert res.pids == (main.pid,) and res.signals == (f"SIGTERM pid {main.pid}",)
-        assert (res.escalated, res.gone, res.survivors) == (False, False, (straggler,))
+        assert res.pids == (main.pid, straggler)
+        assert res.signals == (f"SIGTERM pid {main.pid}", f"SIGKILL pid {straggler}")
+        assert (res.escalated, res.gone, res.survivors) == (True, True, ())
+        assert not alive(straggler)
     finally:
         _stop(straggler)
 

@@ -11,13 +11,15 @@ import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
+from gpuguard.engines.actions import kill_engine
 from gpuguard.engines.watchdog import EngineWatchdog
 
 from support import STARTS
 
-from engines_harness import DAEMON, alive, engine_cfg, free_port, run_watchdog_until, sim_env, wait_for
+from engines_harness import DAEMON, ZOMBIE_LEADER, alive, engine_cfg, free_port, run_watchdog_until, sim_env, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.network]  # registered in pyproject.toml
 
@@ -122,6 +124,28 @@ def test_engine_in_a_transient_scope_is_killed_through_its_cgroup(scope):
     finally:
         outside.kill()
         outside.wait(5)
+        unit.wait(5)
+
+
+def test_a_cgroup_member_whose_main_thread_ended_is_killed_and_waited_for(scope):
+    """A member of the engine's cgroup whose leader thread has ended (psutil calls it a
+    zombie) but whose other thread runs on and ignores SIGTERM: not "gone" — SIGKILL
+    through the cgroup, and "gone" only once the cgroup is empty. A SIGKILL'd
+    multi-threaded engine passes through this state while its threads exit: CI once saw
+    the kill report "gone" with the engine still listed in cgroup.procs."""
+    script = f"echo $$ > {scope}/cgroup.procs && exec {sys.executable} -c \"$0\""
+    unit = subprocess.Popen(["sh", "-c", script, ZOMBIE_LEADER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert unit.stdout.readline().strip() == "ready"
+        wait_for(lambda: psutil.Process(unit.pid).status() == psutil.STATUS_ZOMBIE, STARTS,
+                 what="the leader thread ended")
+        assert (scope / "cgroup.procs").read_text().split() == [str(unit.pid)]
+        res = asyncio.run(kill_engine((unit.pid,), grace=0.3, cgroup=scope))
+        assert res.escalated and any(s.startswith("SIGKILL cgroup.kill") for s in res.signals), res
+        assert res.gone and res.survivors == ()
+        assert (scope / "cgroup.procs").read_text().split() == []
+    finally:
+        unit.kill()
         unit.wait(5)
 
 

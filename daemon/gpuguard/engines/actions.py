@@ -36,7 +36,7 @@ class KillResult:
 def _alive(pid: int) -> bool:
     try:
         p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
+        if p.status() == psutil.STATUS_ZOMBIE and not _threads_left(pid):
             _reap(pid)
             return False
         return True
@@ -44,6 +44,26 @@ def _alive(pid: int) -> bool:
         return False
     except psutil.Error:
         return True
+
+
+def _threads_left(pid: int) -> bool:
+    """Whether a process whose leader shows as a zombie still has a running thread: its
+    main thread has ended but the process lives on (/proc shows the leader "Z"; psutil
+    says zombie), holding its GPU memory and its place in the cgroup. A SIGKILL'd
+    multi-threaded engine passes through that state while its threads are torn down."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def _reap(pid: int) -> None:
@@ -100,12 +120,23 @@ async def kill_engine(pids: tuple[int, ...], grace: float, *, cgroup: Path | Non
             except ProcessLookupError:
                 pass
 
+    def still_there(pids: set[int]) -> set[int]:
+        """Those of `pids` alive, and whatever lives in the cgroup now (a process the
+        engine forked after the first look belongs to it as much)."""
+        left = {p for p in pids if _alive(p)}
+        if cgroup is not None:
+            try:
+                left |= {p for p in (cgroup_procs(cgroup) or ()) if p != os.getpid() and _alive(p)}
+            except Exception:  # noqa: BLE001 - an unreadable cgroup leaves the PIDs
+                pass
+        return left
+
     async def wait_gone(limit: float) -> set[int]:
         deadline = time.monotonic() + limit
-        left = {p for p in targets if _alive(p)}
+        left = still_there(targets)
         while left and time.monotonic() < deadline:
             await asyncio.sleep(poll)
-            left = {p for p in left if _alive(p)}
+            left = still_there(left)
         return left
 
     send(signal.SIGTERM)
@@ -117,9 +148,6 @@ async def kill_engine(pids: tuple[int, ...], grace: float, *, cgroup: Path | Non
         targets |= await asyncio.to_thread(_members, left, cgroup)
         send(signal.SIGKILL)
         left = await wait_gone(after_sigkill)
-    if cgroup is not None:
-        stragglers = set(cgroup_procs(cgroup) or ()) - {os.getpid()}
-        left |= {p for p in stragglers if _alive(p)}
     return KillResult(tuple(sorted(targets)), str(cgroup) if cgroup is not None else None, tuple(signals),
                       escalated, not left, tuple(sorted(left)), time.monotonic() - t0)
 
