@@ -311,3 +311,18 @@ def test_a_gpu_without_a_rest_line_keeps_the_full_rate():
         poll_until(lambda: s.samplers["idle"].hz == 20, timeout=5, what="the full rate back")
     finally:
         s.close()
+
+
+def test_a_gpu_that_joins_a_resting_thread_reports_the_rate_it_is_read_at():
+    s = PowerSampler(hz=20, cpu_budget_ratio=1.0, rest_after_s=0.2)
+    try:
+        s.set_rest_lines({"x": 50.0, "y": 50.0})
+        s.sync([PowerChannel("x", "-", "test", "x", lambda: 10.0)])
+        poll_until(lambda: s.samplers["x"].hz == power_sampler.REST_HZ, timeout=10, what="rest")
+        s.sync([PowerChannel("x", "-", "test", "x", lambda: 10.0), PowerChannel("y", "-", "test", "y", lambda: 10.0)])
+        assert s.samplers["y"].hz == s.samplers["x"].hz      # one thread, one rate, said by both
+        poll_until(lambda: s.samplers["y"].samples_total >= 1, timeout=10, what="y read")
+        poll_until(lambda: s.samplers["y"].hz == s.samplers["x"].hz == power_sampler.REST_HZ, timeout=10,
+                   what="both at rest")
+    finally:
+        s.close()

@@ -223,6 +223,7 @@ class _SamplerThread:
                  rest_after_s: float | None = None) -> None:
         self.members: tuple[GpuSampler, ...] = tuple(members)
         self.hz = float(hz)  # the full rate (halved when over budget)
+        self.rate = self.hz  # the rate it runs at now: hz, or REST_HZ while every GPU rests
         self.rest_after_s = rest_after_s  # None: never rests
         self.cpu_budget_ratio = cpu_budget_ratio
         self.reading: GpuSampler | None = None  # the GPU whose read is in progress
@@ -247,7 +248,7 @@ class _SamplerThread:
                 return False
             for m in new:
                 m.driver = self
-                m.hz = self.hz
+                m.hz = self.rate
             self.members = self.members + tuple(new)
             return True
 
@@ -297,12 +298,14 @@ class _SamplerThread:
                         working_t = now
                         if resting:  # work again: the full rate from the next tick of its grid
                             resting = False
+                            self.rate = self.hz
                             period = 1.0 / self.hz
                             next_t = on_grid(now, period) - period
                             for m in members:
                                 m.hz = self.hz
                     elif not resting and now - working_t >= self.rest_after_s:
                         resting = True
+                        self.rate = REST_HZ
                         period = 1.0 / REST_HZ
                         next_t = on_grid(now, period) - period
                         for m in members:
@@ -314,7 +317,7 @@ class _SamplerThread:
                         m.cpu_seconds += (cpu - check_cpu) / len(members)
                     # the budget is per GPU: a thread reading n GPUs may spend n shares
                     if share > self.cpu_budget_ratio * len(members) and self.hz > MIN_HZ and not resting:
-                        self.hz = max(MIN_HZ, self.hz / 2)
+                        self.hz = self.rate = max(MIN_HZ, self.hz / 2)
                         period = 1.0 / self.hz
                         for m in members:
                             m.hz = self.hz
