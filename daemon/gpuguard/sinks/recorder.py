@@ -69,8 +69,6 @@ CREATE INDEX IF NOT EXISTS engine_samples_t ON engine_samples(t);
 POWER_TABLES = {"power_windows": 9, "power_host": 7, "power_burst": 4}
 EVENT_BACKLOG = 50_000  # events waiting for the next cycle; past it they are counted lost
 PRUNE_EVERY = 60.0
-
-
 CACHE_KIB = 256  # SQLite page cache of the writing connection (see _open)
 
 
