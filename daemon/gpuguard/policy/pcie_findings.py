@@ -20,7 +20,35 @@ from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.policy.doctor import Finding, diagnose, events
 from gpuguard.policy.link_history import LinkHistory, boot_time
 from gpuguard.state.conditions import Conditions
+from gpuguard.state.events import Event
 from gpuguard.state.hub import Hub
+
+
+def conditions(findings: Sequence[Finding]) -> dict[tuple, Event]:
+    """{key: event} for the walk's WARN and FAIL findings, keyed by check + place. The GPU
+    pairs that need the same fix (one `todo`) are one condition: behind a host bridge
+    without P2P every pair is a finding (28 at 8 GPUs, 496 at 32), and a warning each
+    filled half the event log at every start and held 0.7 MiB (issue 15). doctor and
+    /v1/pcie list every pair; the event names the count and one of them."""
+    current: dict[tuple, Event] = {}
+    pairs: dict[tuple[str, str], list[Finding]] = {}
+    for f in findings:
+        if f.level == "OK":
+            continue
+        if f.check == "pair":
+            pairs.setdefault((f.level, f.todo), []).append(f)
+        else:
+            current[(f.check, f.where)] = events([f])[0]
+    for (level, todo), group in pairs.items():
+        ev = events(group[:1])[0]
+        if len(group) > 1:
+            first = group[0]
+            ev = dataclasses.replace(
+                ev, bdf=None, fields={**ev.fields, "pairs": len(group)},
+                message=f"{len(group)} GPU pairs, {first.where} among them (gpuguard doctor lists every pair): "
+                        f"{first.what}")
+        current[("pair", level, todo)] = ev
+    return current
 
 
 class PcieFindings:
@@ -53,8 +81,7 @@ class PcieFindings:
 
     def publish(self, report: PcieReport, findings: Sequence[Finding]) -> None:
         self.hub.set_view("pcie_findings", tuple(findings))
-        current = {(f.check, f.where): ev for f, ev in zip([f for f in findings if f.level != "OK"], events(findings))}
-        for ev in self.conditions.update(current):
+        for ev in self.conditions.update(conditions(findings)):
             self.hub.publish(self._named(ev, report))
 
     def _named(self, ev, report: PcieReport):
