@@ -21,6 +21,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -110,62 +111,69 @@ def kernel_families(hub: Hub) -> Iterable[Metric]:
 
 
 def gpu_families(hub: Hub) -> Iterable[Metric]:
+    """The GPU block, one family at a time: each is built, yielded and let go before the
+    next (render() renders each as it comes), so a scrape never holds every sample of the
+    block at once. At 32 GPUs that was about 2 000 samples with their label dicts, the
+    scrape's peak, and the peak stays in the daemon's RSS (issue 15)."""
     snap = hub.snapshot
     gpus = snap.gpus if snap else ()
     info = _g("gpuguard_gpu_info", "GPU identity; card is today's cardN", ["gpu", "bdf", "vendor", "device_id", "model", "card", "driver"])
-    up = _g("gpuguard_gpu_up", "1 = GPU answering, 0 = lost or not answering", ["gpu"])
-    suspended = _g("gpuguard_gpu_runtime_suspended", "1 = runtime-suspended (not woken to poll)", ["gpu"])
-    power = _g("gpuguard_gpu_power_watts", "Average package power", ["gpu"])
-    cap = _g("gpuguard_gpu_power_cap_watts", "Current power cap", ["gpu"])
-    cap_min = _g("gpuguard_gpu_power_cap_min_watts", "Lowest settable power cap", ["gpu"])
-    cap_max = _g("gpuguard_gpu_power_cap_max_watts", "Highest settable power cap", ["gpu"])
-    cap_def = _g("gpuguard_gpu_power_cap_default_watts", "Default power cap", ["gpu"])
-    temp = _g("gpuguard_gpu_temperature_celsius", "Temperature per sensor", ["gpu", "sensor"])
-    tlim = _g("gpuguard_gpu_temperature_limit_celsius", "Temperature limits per sensor", ["gpu", "sensor", "level"])
-    clock = _g("gpuguard_gpu_clock_hertz", "Current clock", ["gpu", "domain"])
-    fan = _g("gpuguard_gpu_fan_rpm", "Fan speed", ["gpu"])
-    busy = _g("gpuguard_gpu_busy_ratio", "GPU busy, 0-1", ["gpu"])
-    vused = _g("gpuguard_gpu_vram_used_bytes", "VRAM in use", ["gpu"])
-    vtotal = _g("gpuguard_gpu_vram_total_bytes", "VRAM size", ["gpu"])
-    vvis = _g("gpuguard_gpu_vram_visible_bytes", "CPU-visible VRAM (equals total with large BAR)", ["gpu"])
-    vres = _g("gpuguard_gpu_vram_reserved_bytes", "VRAM the NVIDIA driver reserves (not in used; NVML v2)", ["gpu"])
-    volt = _g("gpuguard_gpu_voltage_volts", "Voltage per rail", ["gpu", "rail"])
-    od = _g("gpuguard_gpu_od_setting", "OD setting read back now", ["gpu", "setting"])
     for g in gpus:
         info.add_metric([g.name, g.bdf, g.vendor, g.device_id, g.model, g.card or "", g.driver], 1)
-        up.add_metric([g.name], 1 if g.up else 0)
-        suspended.add_metric([g.name], 1 if g.runtime_status == "suspended" else 0)
-        for fam, value in (
-            (power, g.power_watts),
-            (cap, g.power_cap_watts),
-            (cap_min, g.power_cap_min_watts),
-            (cap_max, g.power_cap_max_watts),
-            (cap_def, g.power_cap_default_watts),
-            (fan, g.fan_rpm),
-            (busy, g.busy_ratio),
-            (vused, g.vram_used_bytes),
-            (vtotal, g.vram_total_bytes),
-            (vvis, g.vram_visible_bytes),
-            (vres, g.vram_reserved_bytes),
-        ):
-            if value is not None:  # unknown is absent, never a zero
-                fam.add_metric([g.name], value)
-        for sensor, v in sorted(g.temperatures.items()):
-            temp.add_metric([g.name, sensor], v)
-        for (sensor, level), v in sorted(g.temperature_limits.items()):
-            tlim.add_metric([g.name, sensor, level], v)
-        for domain, v in sorted(g.clocks_hz.items()):
-            clock.add_metric([g.name, domain], v)
-        for rail, v in sorted(g.voltages.items()):
-            volt.add_metric([g.name, rail], v)
-        if g.od is not None:
-            for setting, v in sorted(g.od.settings.items()):
-                od.add_metric([g.name, setting], v)
+    yield info
+    del info
+    yield _each_gpu(gpus, "gpuguard_gpu_up", "1 = GPU answering, 0 = lost or not answering", lambda g: 1 if g.up else 0)
+    yield _each_gpu(gpus, "gpuguard_gpu_runtime_suspended", "1 = runtime-suspended (not woken to poll)",
+                    lambda g: 1 if g.runtime_status == "suspended" else 0)
+    yield _each_gpu(gpus, "gpuguard_gpu_power_watts", "Average package power", attrgetter("power_watts"))
+    yield _each_gpu(gpus, "gpuguard_gpu_power_cap_watts", "Current power cap", attrgetter("power_cap_watts"))
+    yield _each_gpu(gpus, "gpuguard_gpu_power_cap_min_watts", "Lowest settable power cap",
+                    attrgetter("power_cap_min_watts"))
+    yield _each_gpu(gpus, "gpuguard_gpu_power_cap_max_watts", "Highest settable power cap",
+                    attrgetter("power_cap_max_watts"))
+    yield _each_gpu(gpus, "gpuguard_gpu_power_cap_default_watts", "Default power cap",
+                    attrgetter("power_cap_default_watts"))
+    yield _each_key(gpus, "gpuguard_gpu_temperature_celsius", "Temperature per sensor", ["sensor"],
+                    attrgetter("temperatures"))
+    yield _each_key(gpus, "gpuguard_gpu_temperature_limit_celsius", "Temperature limits per sensor",
+                    ["sensor", "level"], attrgetter("temperature_limits"))
+    yield _each_key(gpus, "gpuguard_gpu_clock_hertz", "Current clock", ["domain"], attrgetter("clocks_hz"))
+    yield _each_gpu(gpus, "gpuguard_gpu_fan_rpm", "Fan speed", attrgetter("fan_rpm"))
+    yield _each_gpu(gpus, "gpuguard_gpu_busy_ratio", "GPU busy, 0-1", attrgetter("busy_ratio"))
+    yield _each_gpu(gpus, "gpuguard_gpu_vram_used_bytes", "VRAM in use", attrgetter("vram_used_bytes"))
+    yield _each_gpu(gpus, "gpuguard_gpu_vram_total_bytes", "VRAM size", attrgetter("vram_total_bytes"))
+    yield _each_gpu(gpus, "gpuguard_gpu_vram_visible_bytes", "CPU-visible VRAM (equals total with large BAR)",
+                    attrgetter("vram_visible_bytes"))
+    yield _each_gpu(gpus, "gpuguard_gpu_vram_reserved_bytes", "VRAM the NVIDIA driver reserves (not in used; NVML v2)",
+                    attrgetter("vram_reserved_bytes"))
+    yield _each_key(gpus, "gpuguard_gpu_voltage_volts", "Voltage per rail", ["rail"], attrgetter("voltages"))
+    yield _each_key(gpus, "gpuguard_gpu_od_setting", "OD setting read back now", ["setting"],
+                    lambda g: g.od.settings if g.od is not None else {})
     missing = _g("gpuguard_gpu_configured_missing", "1 = a configured GPU has no identified present card",
                  ["gpu", "match"])
     for m in hub.gpus.missing():
         missing.add_metric([m.name, m.match], 1)
-    yield from (info, up, suspended, power, cap, cap_min, cap_max, cap_def, temp, tlim, clock, fan, busy, vused, vtotal, vvis, vres, volt, od, missing)
+    yield missing
+
+
+def _each_gpu(gpus: Iterable, name: str, doc: str, value: Callable) -> GaugeMetricFamily:
+    """One sample per GPU; unknown is absent, never a zero."""
+    fam = _g(name, doc, ["gpu"])
+    for g in gpus:
+        v = value(g)
+        if v is not None:
+            fam.add_metric([g.name], v)
+    return fam
+
+
+def _each_key(gpus: Iterable, name: str, doc: str, labels: list[str], values: Callable) -> GaugeMetricFamily:
+    """One sample per GPU and key of its mapping (sensor, rail, domain; a tuple key fills
+    several labels), keys in sorted order."""
+    fam = _g(name, doc, ["gpu", *labels])
+    for g in gpus:
+        for k, v in sorted(values(g).items()):
+            fam.add_metric([g.name, *k] if isinstance(k, tuple) else [g.name, k], v)
+    return fam
 
 
 
@@ -248,21 +256,34 @@ class MetricsSink:
 
     def _collect(self, src: _Source) -> list[Metric] | None:
         """The collector's families, None if it raised (logged on the change)."""
+        families: list[Metric] = []
+        return families if self._each_family(src, families.append) else None
+
+    def _rendered(self, src: _Source) -> bytes | None:
+        """The collector's block, each family rendered as it is yielded and let go (see
+        gpu_families: the scrape's peak stays in the RSS); None if it raised."""
+        texts: list[bytes] = []
+        ok = self._each_family(src, lambda fam: texts.append(generate_latest(_Families([fam]))))
+        return b"".join(texts) if ok else None
+
+    def _each_family(self, src: _Source, take: Callable[[Metric], object]) -> bool:
+        """take(family) for each family src yields; False if it raised (logged on the
+        change: one source's bug must not fail the scrape)."""
         try:
-            families = list(src.collect())
-            for fam in families:
+            for fam in src.collect():
                 if fam.name not in src.families:
                     self._claim(src, fam.name)
+                take(fam)
             ok = True
         except Exception as e:  # noqa: BLE001 - one source's bug must not fail the scrape
-            families, ok = [], False
+            ok = False
             if src.ok:
                 log.error("metrics collector %s failed, its families are left out: %r", src.name, e,
                           exc_info=not isinstance(e, CollectorError))
         if ok and not src.ok:
             log.info("metrics collector %s answers again", src.name)
         src.ok = ok
-        return families if ok else None
+        return ok
 
     def _self_families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
         return (_g(DURATION, "Wall time of this scrape's collect, per collector", ["collector"]),
@@ -299,9 +320,9 @@ class MetricsSink:
                 if key is not None and src.cached is not None and src.cached[0] == key:
                     text, ok = src.cached[1], True
                 else:
-                    families = self._collect(src)
-                    ok = families is not None
-                    text = generate_latest(_Families(families or []))
+                    rendered = self._rendered(src)
+                    ok = rendered is not None
+                    text = rendered if rendered is not None else b""
                     src.cached = (key, text) if key is not None and ok else None
                 duration.add_metric([src.name], time.perf_counter() - t0)
                 success.add_metric([src.name], 1 if ok else 0)

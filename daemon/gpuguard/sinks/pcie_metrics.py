@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -23,10 +23,12 @@ class Sample:
     type: str = "gauge"  # gauge | counter
 
 
-def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType({})) -> Iterator[Sample]:
+def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType({}),
+            only: str | None = None) -> Iterator[Sample]:
     """The PCIe metrics of reference/METRICS.md from one report. `gpu_names[bdf]` is the
     configured name (default `card` + PCI address). A value that is unknown is left out,
-    never exported as zero."""
+    never exported as zero. `only`: that family's samples alone (the others not built)."""
+    every = only is None
     aer_seen: set[str] = set()
     # The GPUs behind each hop, so an AER alert names them; a switch or root
     # port shared by several GPUs names them all, comma-separated, in one series.
@@ -42,26 +44,30 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
                 ("gpuguard_pcie_link_current_transfers_per_second", h.current_speed_gts),
                 ("gpuguard_pcie_link_max_transfers_per_second", h.max_speed_gts),
             ):
-                if v is not None:
+                if v is not None and (every or only == name):
                     yield Sample(name, lab, v * 1e9)
             for name, w in (
                 ("gpuguard_pcie_link_current_width", h.current_width),
                 ("gpuguard_pcie_link_max_width", h.max_width),
             ):
-                if w is not None:
+                if w is not None and (every or only == name):
                     yield Sample(name, lab, float(w))
-            yield Sample("gpuguard_pcie_link_downgraded", lab, 1.0 if h.downgraded else 0.0)
-            if h.bdf not in aer_seen:
+            if every or only == "gpuguard_pcie_link_downgraded":
+                yield Sample("gpuguard_pcie_link_downgraded", lab, 1.0 if h.downgraded else 0.0)
+            if h.bdf not in aer_seen and (every or only == "gpuguard_pcie_aer_errors_total"):
                 aer_seen.add(h.bdf)
                 for sev, n in h.aer.items():
                     yield Sample("gpuguard_pcie_aer_errors_total",
                                  {"bdf": h.bdf, "gpu": ",".join(sorted(set(behind[h.bdf]))), "severity": sev},
                                  float(n), "counter")
         bw = g.bottleneck_bytes_per_second
-        if bw is not None:
+        if bw is not None and (every or only == "gpuguard_gpu_pcie_bottleneck_bytes_per_second"):
             yield Sample("gpuguard_gpu_pcie_bottleneck_bytes_per_second", {"gpu": gpu}, bw)
-        for b in g.bars:
-            yield Sample("gpuguard_gpu_bar_bytes", {"gpu": gpu, "bar": str(b.index)}, float(b.size_bytes))
+        if every or only == "gpuguard_gpu_bar_bytes":
+            for b in g.bars:
+                yield Sample("gpuguard_gpu_bar_bytes", {"gpu": gpu, "bar": str(b.index)}, float(b.size_bytes))
+    if not (every or only == "gpuguard_gpu_pair_p2p"):
+        return
     for p in report.pairs:
         a, b = gpu_names.get(p.a, f"card{p.a}"), gpu_names.get(p.b, f"card{p.b}")
         for d in p.directions:
@@ -71,14 +77,16 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
             yield Sample("gpuguard_gpu_pair_p2p", {"a": a, "b": b, "direction": way}, 1.0 if d.possible else 0.0)
 
 
+# In the order samples() first yields them on a host that knows every value: /metrics
+# lists the families in this order.
 METRIC_HELP = {
     "gpuguard_pcie_link_current_transfers_per_second": "Current PCIe link speed per lane of a hop (transfers/s)",
     "gpuguard_pcie_link_max_transfers_per_second": "Maximum PCIe link speed per lane the hop supports (transfers/s)",
     "gpuguard_pcie_link_current_width": "Current PCIe link width of a hop (lanes)",
     "gpuguard_pcie_link_max_width": "Maximum PCIe link width of a hop (lanes)",
     "gpuguard_pcie_link_downgraded": "1 when the hop is an end of a link running below what both ends support",
-    "gpuguard_gpu_pcie_bottleneck_bytes_per_second": "Usable bandwidth of the GPU's narrowest PCIe hop (bytes/s, per direction)",
     "gpuguard_pcie_aer_errors_total": "PCIe AER errors counted by the kernel per device",
+    "gpuguard_gpu_pcie_bottleneck_bytes_per_second": "Usable bandwidth of the GPU's narrowest PCIe hop (bytes/s, per direction)",
     "gpuguard_gpu_bar_bytes": "Size of a GPU BAR (bytes)",
     "gpuguard_gpu_pair_p2p": "1 when GPU a (a_to_b) or b (b_to_a) can access the other's VRAM peer-to-peer by the kernel's rules (large BAR of the accessed card, p2pdma path)",
 }
@@ -97,17 +105,21 @@ class PcieCollector:
         return []
 
     def collect(self):
+        """One family at a time, each let go before the next is built: at 32 GPUs the
+        block is ~3 000 samples (992 of them GPU-pair directions), 1.1 MiB built at once,
+        and a scrape's peak stays in the daemon's RSS (issue 15)."""
         report = self._latest()
-        families: dict[str, Any] = {}
         if report is None:
             return
-        for s in samples(report, self._names()):
-            fam = families.get(s.name)
-            if fam is None:
-                if s.type == "counter":
-                    fam = CounterMetricFamily(s.name[: -len("_total")], METRIC_HELP[s.name], labels=list(s.labels))
-                else:
-                    fam = GaugeMetricFamily(s.name, METRIC_HELP[s.name], labels=list(s.labels))
-                families[s.name] = fam
-            fam.add_metric(list(s.labels.values()), s.value)
-        yield from families.values()
+        names = self._names()
+        for name in METRIC_HELP:
+            fam = None
+            for s in samples(report, names, only=name):
+                if fam is None:
+                    if s.type == "counter":
+                        fam = CounterMetricFamily(name[: -len("_total")], METRIC_HELP[name], labels=list(s.labels))
+                    else:
+                        fam = GaugeMetricFamily(name, METRIC_HELP[name], labels=list(s.labels))
+                fam.add_metric(list(s.labels.values()), s.value)
+            if fam is not None:
+                yield fam
