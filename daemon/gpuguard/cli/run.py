@@ -15,6 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from gpuguard.heap import return_large_blocks
+
+    return_large_blocks()  # before the daemon allocates anything large (gpuguard/heap.py)
     from gpuguard.config import ConfigError, load_config
     from gpuguard.daemon import Daemon
     from gpuguard.logsetup import setup_logging
