@@ -232,3 +232,59 @@ power: {{sampler: false}}
     cached, fresh = asyncio.run(main())
     assert "gpuguard_pcie_link_downgraded" in cached and "gpuguard_gpu_up" in cached
     assert _without_durations(cached) == _without_durations(fresh)
+
+
+def test_a_keyed_family_is_built_and_rendered_again_only_when_its_key_changes():
+    """Issue 15: what did not change is served as rendered (the GPUs' identities, caps and
+    limits: 60 % of the GPU block), without building it; the registry view still sees it."""
+    from gpuguard.sinks.metrics import Keyed
+
+    sink = MetricsSink(Hub())
+    cap = [300.0]
+    built: list[float] = []
+    live = [1.0]
+
+    def build() -> GaugeMetricFamily:
+        built.append(cap[0])
+        return _gauge("gpuguard_test_cap_watts", cap[0])
+
+    sink.add("caps", lambda: [Keyed("gpuguard_test_cap_watts", (cap[0],), build), _gauge("gpuguard_test_live", live[0])])
+    built.clear()  # registration reads names only
+    first = sink.render()
+    live[0] = 2.0
+    second = sink.render()
+    assert built == [300.0]  # the second scrape did not build the family
+    assert b"gpuguard_test_cap_watts 300.0" in second and b"gpuguard_test_live 2.0" in second
+    assert first.replace(b"gpuguard_test_live 1.0", b"gpuguard_test_live 2.0").split(b"# HELP gpuguard_collector")[0] \
+        == second.split(b"# HELP gpuguard_collector")[0]
+    cap[0] = 250.0  # a profile lowered the cap
+    third = sink.render()
+    assert built == [300.0, 250.0] and b"gpuguard_test_cap_watts 250.0" in third and b"300.0" not in third
+    assert sink.registry.get_sample_value("gpuguard_test_cap_watts") == 250.0
+
+
+def test_the_gpu_blocks_slow_families_follow_a_changed_cap(tmp_path, monkeypatch):
+    """The keyed GPU families are the daemon's: a cap changed on the card shows at the next
+    poll's scrape, the identity rendered once stays."""
+    config = incident_host_config(tmp_path, monkeypatch, "")
+    daemon = Daemon(config)
+    host_root = tmp_path / "root"
+    cap_files = sorted(host_root.glob("sys/class/drm/card*/device/hwmon/hwmon*/power1_cap"))
+    assert cap_files
+
+    async def two_polls() -> tuple[bytes, bytes]:
+        await daemon.poller.poll_once()
+        before = daemon.metrics.render()
+        cap_files[0].write_text("210000000\n")
+        await daemon.poller.poll_once()
+        return before, daemon.metrics.render()
+
+    try:
+        before, after = asyncio.run(two_polls())
+    finally:
+        daemon.poller.close()
+    caps = lambda body: sorted(s.value for f in text_string_to_metric_families(body.decode())
+                               if f.name == "gpuguard_gpu_power_cap_watts" for s in f.samples)
+    assert 210.0 not in caps(before) and 210.0 in caps(after)
+    info = lambda body: [ln for ln in body.splitlines() if ln.startswith(b"gpuguard_gpu_info{")]
+    assert info(before) == info(after) and len(info(after)) == 4

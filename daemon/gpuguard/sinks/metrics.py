@@ -31,7 +31,7 @@ from gpuguard import __version__
 from gpuguard.sinks.nvml_metrics import nvml_families
 from gpuguard.state.hub import Hub
 
-Collect = Callable[[], Iterable[Metric]]
+Collect = Callable[[], Iterable["Metric | Keyed"]]
 Producer = Collect  # the old name, kept for callers on other branches
 
 log = logging.getLogger("gpuguard.metrics")
@@ -63,6 +63,19 @@ class _Source:
     # rendered last time (a PCIe report changes once a minute, a scrape comes every second)
     inputs: Callable[[], tuple] | None = None
     cached: tuple | None = None  # (key, text)
+    keyed: dict[str, tuple] = field(default_factory=dict)  # family -> (Keyed.key, text)
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """A family a collector yields by name, with a cheap key of everything in it and how to
+    build it: while the key is the one rendered last, a scrape serves that text without
+    building or rendering the family. The GPUs' identities, caps and limits change on a
+    reset or a profile, not every poll: 60 % of the GPU block's samples (issue 15:
+    "pre-rendered families for what did not change")."""
+    name: str
+    key: tuple
+    build: Callable[[], Metric]
 
 
 class _Families:
@@ -110,50 +123,64 @@ def kernel_families(hub: Hub) -> Iterable[Metric]:
     yield kev
 
 
-def gpu_families(hub: Hub) -> Iterable[Metric]:
+def gpu_families(hub: Hub) -> Iterable[Metric | Keyed]:
     """The GPU block, one family at a time: each is built, yielded and let go before the
     next (render() renders each as it comes), so a scrape never holds every sample of the
     block at once. At 32 GPUs that was about 2 000 samples with their label dicts, the
-    scrape's peak, and the peak stays in the daemon's RSS (issue 15)."""
+    scrape's peak, and the peak stays in the daemon's RSS (issue 15). What changes on a
+    reset, a profile or a suspend rather than every poll is Keyed: rendered once."""
     snap = hub.snapshot
     gpus = snap.gpus if snap else ()
-    info = _g("gpuguard_gpu_info", "GPU identity; card is today's cardN", ["gpu", "bdf", "vendor", "device_id", "model", "card", "driver"])
-    for g in gpus:
-        info.add_metric([g.name, g.bdf, g.vendor, g.device_id, g.model, g.card or "", g.driver], 1)
-    yield info
-    del info
-    yield _each_gpu(gpus, "gpuguard_gpu_up", "1 = GPU answering, 0 = lost or not answering", lambda g: 1 if g.up else 0)
-    yield _each_gpu(gpus, "gpuguard_gpu_runtime_suspended", "1 = runtime-suspended (not woken to poll)",
-                    lambda g: 1 if g.runtime_status == "suspended" else 0)
+    yield Keyed("gpuguard_gpu_info", tuple((g.name, g.bdf, g.vendor, g.device_id, g.model, g.card, g.driver) for g in gpus),
+                lambda: _info(gpus))
+    yield _keyed_gpu(gpus, "gpuguard_gpu_up", "1 = GPU answering, 0 = lost or not answering", lambda g: 1 if g.up else 0)
+    yield _keyed_gpu(gpus, "gpuguard_gpu_runtime_suspended", "1 = runtime-suspended (not woken to poll)",
+                     lambda g: 1 if g.runtime_status == "suspended" else 0)
     yield _each_gpu(gpus, "gpuguard_gpu_power_watts", "Average package power", attrgetter("power_watts"))
-    yield _each_gpu(gpus, "gpuguard_gpu_power_cap_watts", "Current power cap", attrgetter("power_cap_watts"))
-    yield _each_gpu(gpus, "gpuguard_gpu_power_cap_min_watts", "Lowest settable power cap",
-                    attrgetter("power_cap_min_watts"))
-    yield _each_gpu(gpus, "gpuguard_gpu_power_cap_max_watts", "Highest settable power cap",
-                    attrgetter("power_cap_max_watts"))
-    yield _each_gpu(gpus, "gpuguard_gpu_power_cap_default_watts", "Default power cap",
-                    attrgetter("power_cap_default_watts"))
+    yield _keyed_gpu(gpus, "gpuguard_gpu_power_cap_watts", "Current power cap", attrgetter("power_cap_watts"))
+    yield _keyed_gpu(gpus, "gpuguard_gpu_power_cap_min_watts", "Lowest settable power cap",
+                     attrgetter("power_cap_min_watts"))
+    yield _keyed_gpu(gpus, "gpuguard_gpu_power_cap_max_watts", "Highest settable power cap",
+                     attrgetter("power_cap_max_watts"))
+    yield _keyed_gpu(gpus, "gpuguard_gpu_power_cap_default_watts", "Default power cap",
+                     attrgetter("power_cap_default_watts"))
     yield _each_key(gpus, "gpuguard_gpu_temperature_celsius", "Temperature per sensor", ["sensor"],
                     attrgetter("temperatures"))
-    yield _each_key(gpus, "gpuguard_gpu_temperature_limit_celsius", "Temperature limits per sensor",
-                    ["sensor", "level"], attrgetter("temperature_limits"))
+    yield _keyed_key(gpus, "gpuguard_gpu_temperature_limit_celsius", "Temperature limits per sensor",
+                     ["sensor", "level"], attrgetter("temperature_limits"))
     yield _each_key(gpus, "gpuguard_gpu_clock_hertz", "Current clock", ["domain"], attrgetter("clocks_hz"))
     yield _each_gpu(gpus, "gpuguard_gpu_fan_rpm", "Fan speed", attrgetter("fan_rpm"))
     yield _each_gpu(gpus, "gpuguard_gpu_busy_ratio", "GPU busy, 0-1", attrgetter("busy_ratio"))
     yield _each_gpu(gpus, "gpuguard_gpu_vram_used_bytes", "VRAM in use", attrgetter("vram_used_bytes"))
-    yield _each_gpu(gpus, "gpuguard_gpu_vram_total_bytes", "VRAM size", attrgetter("vram_total_bytes"))
-    yield _each_gpu(gpus, "gpuguard_gpu_vram_visible_bytes", "CPU-visible VRAM (equals total with large BAR)",
-                    attrgetter("vram_visible_bytes"))
-    yield _each_gpu(gpus, "gpuguard_gpu_vram_reserved_bytes", "VRAM the NVIDIA driver reserves (not in used; NVML v2)",
-                    attrgetter("vram_reserved_bytes"))
+    yield _keyed_gpu(gpus, "gpuguard_gpu_vram_total_bytes", "VRAM size", attrgetter("vram_total_bytes"))
+    yield _keyed_gpu(gpus, "gpuguard_gpu_vram_visible_bytes", "CPU-visible VRAM (equals total with large BAR)",
+                     attrgetter("vram_visible_bytes"))
+    yield _keyed_gpu(gpus, "gpuguard_gpu_vram_reserved_bytes", "VRAM the NVIDIA driver reserves (not in used; NVML v2)",
+                     attrgetter("vram_reserved_bytes"))
     yield _each_key(gpus, "gpuguard_gpu_voltage_volts", "Voltage per rail", ["rail"], attrgetter("voltages"))
-    yield _each_key(gpus, "gpuguard_gpu_od_setting", "OD setting read back now", ["setting"],
-                    lambda g: g.od.settings if g.od is not None else {})
+    yield _keyed_key(gpus, "gpuguard_gpu_od_setting", "OD setting read back now", ["setting"],
+                     lambda g: g.od.settings if g.od is not None else {})
     missing = _g("gpuguard_gpu_configured_missing", "1 = a configured GPU has no identified present card",
                  ["gpu", "match"])
     for m in hub.gpus.missing():
         missing.add_metric([m.name, m.match], 1)
     yield missing
+
+
+def _info(gpus: Iterable) -> GaugeMetricFamily:
+    info = _g("gpuguard_gpu_info", "GPU identity; card is today's cardN", ["gpu", "bdf", "vendor", "device_id", "model", "card", "driver"])
+    for g in gpus:
+        info.add_metric([g.name, g.bdf, g.vendor, g.device_id, g.model, g.card or "", g.driver], 1)
+    return info
+
+
+def _keyed_gpu(gpus: Iterable, name: str, doc: str, value: Callable) -> Keyed:
+    return Keyed(name, tuple((g.name, value(g)) for g in gpus), lambda: _each_gpu(gpus, name, doc, value))
+
+
+def _keyed_key(gpus: Iterable, name: str, doc: str, labels: list[str], values: Callable) -> Keyed:
+    return Keyed(name, tuple((g.name, tuple(values(g).items())) for g in gpus),
+                 lambda: _each_key(gpus, name, doc, labels, values))
 
 
 def _each_gpu(gpus: Iterable, name: str, doc: str, value: Callable) -> GaugeMetricFamily:
@@ -257,16 +284,31 @@ class MetricsSink:
     def _collect(self, src: _Source) -> list[Metric] | None:
         """The collector's families, None if it raised (logged on the change)."""
         families: list[Metric] = []
-        return families if self._each_family(src, families.append) else None
+        ok = self._each_family(src, lambda fam: families.append(fam.build() if isinstance(fam, Keyed) else fam))
+        return families if ok else None
 
     def _rendered(self, src: _Source) -> bytes | None:
         """The collector's block, each family rendered as it is yielded and let go (see
-        gpu_families: the scrape's peak stays in the RSS); None if it raised."""
+        gpu_families: the scrape's peak stays in the RSS), a Keyed one whose key did not
+        change served as rendered before; None if it raised."""
         texts: list[bytes] = []
-        ok = self._each_family(src, lambda fam: texts.append(generate_latest(_Families([fam]))))
+
+        def render(fam: Metric | Keyed) -> None:
+            if isinstance(fam, Keyed):
+                kept = src.keyed.get(fam.name)
+                if kept is not None and kept[0] == fam.key:
+                    texts.append(kept[1])
+                    return
+                text = generate_latest(_Families([fam.build()]))
+                src.keyed[fam.name] = (fam.key, text)
+                texts.append(text)
+            else:
+                texts.append(generate_latest(_Families([fam])))
+
+        ok = self._each_family(src, render)
         return b"".join(texts) if ok else None
 
-    def _each_family(self, src: _Source, take: Callable[[Metric], object]) -> bool:
+    def _each_family(self, src: _Source, take: Callable[[Metric | Keyed], object]) -> bool:
         """take(family) for each family src yields; False if it raised (logged on the
         change: one source's bug must not fail the scrape)."""
         try:
