@@ -99,3 +99,24 @@ def test_scrape_rendered_on_the_real_h200():
         for text in (idle, load):
             r = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60)
             assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+
+
+def test_one_sink_scraped_across_polls_follows_the_nvml_values():
+    """The NVML block is served as rendered while what it reads is the same (issue 15: on a
+    host without NVIDIA cards every poll rendered the same empty block); each new reading
+    of the H200 must still show."""
+    tl = NvmlTimeline.load(str(FIX / "nvml-capture.json"))
+    src = NvmlSource(tl)
+    (dev,) = src.discover()
+    hub = Hub()
+    sink = MetricsSink(hub)
+    energies = []
+    for i in tl.indices("load")[:3]:
+        tl.select(i)
+        hub.publish_snapshot(HostSnapshot(time=time.time(), gpus=(src.read(dev, "h200"),)))
+        text = sink.render().decode()
+        energies.append(value(text, 'gpuguard_gpu_energy_joules_total{gpu="h200"}'))
+    assert energies == sorted(energies) and len(set(energies)) == 3
+    # the same reading in a new snapshot: the same text
+    hub.publish_snapshot(HostSnapshot(time=time.time(), gpus=hub.snapshot.gpus))
+    assert value(sink.render().decode(), 'gpuguard_gpu_energy_joules_total{gpu="h200"}') == energies[-1]

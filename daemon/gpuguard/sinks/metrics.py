@@ -233,8 +233,11 @@ class MetricsSink:
         self.add("build", build_families, inputs=lambda: ("build",))
         self.add("gpu", lambda: gpu_families(hub),
                  inputs=lambda: same_objects(hub.snapshot) + tuple((m.name, m.match) for m in hub.gpus.missing()))
-        self.add("nvml", lambda: nvml_families(hub.snapshot),  # NVIDIA health through NVML
-                 inputs=lambda: same_objects(hub.snapshot))
+        # NVIDIA health through NVML; keyed on what it reads, not the snapshot: on a host
+        # without NVIDIA cards every poll is a new snapshot and the same empty block
+        self.add("nvml", lambda: nvml_families(hub.snapshot),
+                 inputs=lambda: tuple((g.name, g.extra.get("nvml"), g.extra.get("nvml_unsupported"))
+                                      for g in (hub.snapshot.gpus if hub.snapshot else ())))
         self.add("poller", lambda: poller_families(hub))
         self.add("kernel", lambda: kernel_families(hub), inputs=lambda: tuple(sorted(hub.gpus.kernel_counts.items())))
         for produce in producers:
