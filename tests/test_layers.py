@@ -36,6 +36,7 @@ DAEMON = REPO / "daemon"
 LAYERS = {
     "gpuguard": "base",
     "gpuguard.logsetup": "base",
+    "gpuguard.heap": "base",  # the process's malloc setting (cli/run), stdlib only
     "gpuguard.document": "base",  # one serialiser of frozen values, stdlib only
     "gpuguard.state": "state",
     "gpuguard.hw": "hw",
