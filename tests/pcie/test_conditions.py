@@ -211,21 +211,25 @@ def test_a_walk_that_finds_what_the_last_one_did_keeps_its_report_object(tmp_pat
     assert hub.view("pcie") is third and third is not first and third != first and third.gpu(XTX[0]).busy
 
 
+def walked(host: SimHost, tmp_path, **findings) -> tuple:
+    """(report, hub, PcieFindings, events published) for `host` written below tmp_path."""
+    from gpuguard.hw.pcie import walk
+
+    write_tree(host, str(tmp_path / "sim"))
+    root = SysfsRoot(str(tmp_path / "sim"))
+    hub = Hub()
+    got: list[Event] = []
+    hub.on_event(got.append)
+    return walk(root), hub, PcieFindings(hub, root, **findings), got
+
+
 def test_gpu_pairs_that_need_the_same_fix_are_one_condition_and_doctor_keeps_every_pair(tmp_path):
     """Behind one host bridge without P2P every pair of GPUs is a finding: 28 at 8 GPUs, 496
     at 32, and each was its own warning at every start: half the event log (1 000 events)
     at 32 GPUs, and 0.7 MiB held (issue 15). The pairs that need the same fix (one `todo`)
     are one condition; the findings (doctor, /v1/pcie) still list every pair."""
-    from gpuguard.hw.pcie import walk
-
-    host = SimHost.incident(extra_gpus=4)  # 8 GPUs: six on the chipset's host bridge
-    write_tree(host, str(tmp_path / "sim"))
-    root = SysfsRoot(str(tmp_path / "sim"))
-    report = walk(root)
-    hub = Hub()
-    got: list[Event] = []
-    hub.on_event(got.append)
-    watch = PcieFindings(hub, root)
+    # 8 GPUs: six on the chipset's host bridge
+    report, hub, watch, got = walked(SimHost.incident(extra_gpus=4), tmp_path)
     findings = watch.assess(report)
     pairs = [f for f in findings if f.check == "pair" and f.level != "OK"]
     assert len(pairs) == 28
@@ -246,16 +250,8 @@ def test_gpu_pairs_that_need_the_same_fix_are_one_condition_and_doctor_keeps_eve
 
 
 def test_a_pair_alone_in_its_fix_keeps_its_own_message_and_gpu(tmp_path):
-    from gpuguard.hw.pcie import walk
-
-    host = SimHost(incident_spec())
-    write_tree(host, str(tmp_path / "sim"))
-    root = SysfsRoot(str(tmp_path / "sim"))
-    report = walk(root)
-    hub = Hub()
-    got: list[Event] = []
-    hub.on_event(got.append)
-    watch = PcieFindings(hub, root, gpu_names=lambda: {"0000:05:00.0": "r9700-0"})
+    report, hub, watch, got = walked(SimHost(incident_spec()), tmp_path,
+                                     gpu_names=lambda: {"0000:05:00.0": "r9700-0"})
     watch.publish(report, watch.assess(report))
     alone = [e for e in got if e.kind == "pcie_pair" and "pairs" not in e.fields]
     assert [e.message.split(": ", 1)[0] for e in alone if "one switch" in e.fields["todo"]] == [
