@@ -226,7 +226,7 @@ def walked(host: SimHost, tmp_path, **findings) -> tuple:
 def test_gpu_pairs_that_need_the_same_fix_are_one_condition_and_doctor_keeps_every_pair(tmp_path):
     """Behind one host bridge without P2P every pair of GPUs is a finding: 28 at 8 GPUs, 496
     at 32, and each was its own warning at every start: half the event log (1 000 events)
-    at 32 GPUs, and 0.7 MiB held (issue 15). The pairs that need the same fix (one `todo`)
+    at 32 GPUs, and 0.9 MiB held (issue 15). The pairs that need the same fix (one `todo`)
     are one condition; the findings (doctor, /v1/pcie) still list every pair."""
     # 8 GPUs: six on the chipset's host bridge
     report, hub, watch, got = walked(SimHost.incident(extra_gpus=4), tmp_path)

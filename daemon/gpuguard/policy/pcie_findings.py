@@ -28,7 +28,7 @@ def conditions(findings: Sequence[Finding]) -> dict[tuple, Event]:
     """{key: event} for the walk's WARN and FAIL findings, keyed by check + place. The GPU
     pairs that need the same fix (one `todo`) are one condition: behind a host bridge
     without P2P every pair is a finding (28 at 8 GPUs, 496 at 32), and a warning each
-    filled half the event log at every start and held 0.7 MiB (issue 15). doctor and
+    filled half the event log at every start and held 0.9 MiB (issue 15). doctor and
     /v1/pcie list every pair; the event names the count and one of them."""
     current: dict[tuple, Event] = {}
     pairs: dict[tuple[str, str], list[Finding]] = {}
