@@ -221,8 +221,8 @@ def _serve(args: argparse.Namespace, host, config, workdir: str, started: contex
     if not args.tree:
         try:
             from gpuguard.sim.fuse import fuse_available, mount as fuse_mount
-        except ImportError as e:  # mfusepy comes with the [test] extra, not a plain install
-            reason = f"{e.name or 'mfusepy'} is not installed (pip install mfusepy)"
+        except ImportError as e:  # mfusepy comes with the [demo] (and [test]) extra, not a plain install
+            reason = f"{e.name or 'mfusepy'} is not installed: pip install 'gpuguard[demo]'"
             fuse_mount = None
         except OSError as e:  # mfusepy raises this at import when libfuse is missing
             reason = f"{e} (apt-get install fuse3)"
@@ -331,16 +331,20 @@ def _serve(args: argparse.Namespace, host, config, workdir: str, started: contex
                     f"  metrics:   {base}/metrics",
                     f"  status:    {base}/v1/status",
                     f"  events:    {base}/v1/events",
+                    # status, engines and events find the daemon through it (cli/_daemon_api.py):
+                    # the demo's port is not 9436 when 9436 was busy
+                    "  point the commands at it (this shell):",
+                    f"    export GPUGUARD_API={base}",
                     "  try:",
-                    f"    gpuguard status --api {base}",
+                    "    gpuguard status",
                     f"    gpuguard status --sysfs-root {root}",
                     f"    gpuguard pcie --sysfs-root {root}",
                     f"    gpuguard doctor --sysfs-root {root}",
-                    f"    gpuguard events --api {base}",
+                    "    gpuguard events",
                 ]
                 + (
                     [
-                        f"    gpuguard engines --api {base}",
+                        "    gpuguard engines",
                         f"    curl -X POST {engine.url}/sim/stall   # a hung request: watch it get killed and come back",
                     ]
                     if engine
