@@ -21,9 +21,10 @@ from importlib import resources
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the daemon on the simulated incident host")
+    p = sub.add_parser("demo", help="run the daemon on the simulated incident host", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", default="incident", help="simulated host (incident, incident-x8, incident-late, ...)")
-    p.add_argument("--config", "-c", default=None, help="config file (default: the built-in demo config)")
+    p.add_argument("--config", "-c", metavar="FILE", default=None, help="config file (default: the built-in demo config)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 9436, or a free one if taken)")
     p.add_argument("--dir", default=None, help="where to put the simulated tree (default: a temporary folder)")
     p.add_argument("--tree", action="store_true",
