@@ -204,3 +204,15 @@ def test_an_existing_token_file_others_can_read_is_made_0600_and_said(tmp_path):
     assert mode(tokens) == 0o600 and tokens.read_text() == body  # the tokens kept, only the mode fixed
     assert f"fix mode of {tokens}: 0644 -> 0600" in r.stdout, r.stdout
     TokenStore.load(str(tokens))  # the daemon's own check accepts it now
+
+
+def test_a_token_file_that_is_a_link_is_refused_not_followed(tmp_path):
+    root = tmp_path / "root"
+    (root / "etc/gpuguard").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("not a token file\n")
+    elsewhere.chmod(0o644)
+    (root / "etc/gpuguard/api-tokens").symlink_to(elsewhere)
+    r = gpuguard("install-service", "--root", str(root), "--exec", EXE)
+    assert r.returncode == 1 and "not a regular file" in r.stderr, r.stderr
+    assert mode(elsewhere) == 0o644  # nothing changed through the link

@@ -164,9 +164,13 @@ def plan_install(root: Path, executable: Path, start: bool = False) -> Plan:
     else:
         steps.append(Step("write", config, 0o600, config_text(f"/{tokens}"),
                           why=f"the annotated example, api.token_file: /{tokens}"))
-    if (root / tokens).exists():
+    if os.path.lexists(root / tokens):
+        st = os.lstat(root / tokens)
+        if not stat.S_ISREG(st.st_mode):  # never chmod through a link: it may point anywhere
+            raise InstallError(f"{root / tokens} exists but is not a regular file (a link or a folder); the daemon "
+                               "refuses it as api.token_file: move it away and re-run install-service")
         steps.append(Step("keep", tokens, why="exists (never overwritten)"))
-        held = stat.S_IMODE((root / tokens).stat().st_mode)
+        held = stat.S_IMODE(st.st_mode)
         if held & 0o077:  # control/auth.py refuses it: the service would not start
             steps.append(Step("chmod", tokens, 0o600, why=f"{held:04o} -> 0600 (others could read the tokens, and "
                                                           "the daemon refuses such a file; consider new tokens)"))
