@@ -2,8 +2,8 @@
 power/cap, temperatures, clocks, fan, busy, VRAM, OD state); `--json` for scripts.
 
 With `--sysfs-root` it reads the hardware once itself; otherwise it asks the running
-daemon's API (`--api`, $GPUGUARD_API, the config's listen:, 127.0.0.1:9436: cli/_daemon_api.py),
-so it shows what the daemon sees. A daemon named by `--api` or $GPUGUARD_API that does
+daemon's API (`--api`, else $GPUGUARD_API, else the listen: of `--config`, else
+127.0.0.1:9436), so it shows what the daemon sees. A daemon named by `--api` or $GPUGUARD_API that does
 not answer is an error (exit 2, the URL named); otherwise, with no daemon answering, it
 reads this host itself and its first line says so."""
 from __future__ import annotations
