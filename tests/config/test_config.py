@@ -110,3 +110,54 @@ def test_the_flight_recorder_lives_in_state_dir_unless_its_path_is_given():
     assert parse_config("state_dir: /srv/gg\n").recorder.path == "/srv/gg/flight.sqlite"
     assert parse_config("state_dir: /srv/gg\nrecorder: {keep_seconds: 600}\n").recorder.path == "/srv/gg/flight.sqlite"
     assert parse_config("state_dir: /srv/gg\nrecorder: {path: /data/f.sqlite}\n").recorder.path == "/data/f.sqlite"
+
+
+CROSS = """sysfs_root: /
+poll:
+  interval_seconds: 1
+gpus:
+  - {name: r9700-a, match: {bdf: "0000:05:00.0"}}
+  - {name: r9700-b, match: {bdf: "0000:08:00.0"}}
+  - name: xtx-0
+    match: {bdf: "0000:aa:00.0"}
+    profile: xtx-200
+  - {name: r9700-a, match: {bdf: "0000:b0:00.0"}}
+engines:
+  - name: vllm-a
+    kind: vllm
+    url: http://127.0.0.1:8000
+    gpus: [xtx-0, xtx-9]
+    process: {cmdline: "^vllm serve "}
+profiles:
+  xtx-2000:
+    sclk_max_mhz: 2000
+"""
+
+
+def test_cross_reference_errors_name_the_full_key_path_and_the_line_of_the_value():
+    """A profile name typo in gpus[2] was `<top level> (line 1)`: each cross-reference
+    problem names the key that holds the wrong value, and that value's line."""
+    assert problems(CROSS) == [
+        "gpus[2].profile (line 9): profile 'xtx-200' is not defined under profiles (defined: xtx-2000)",
+        "gpus[3].name (line 10): GPU name 'r9700-a' is used twice in gpus (first at gpus[0])",
+        "engines[0].gpus[1] (line 15): engine vllm-a: 'xtx-9' is not a name in gpus: "
+        "(r9700-a, r9700-b, xtx-0)",
+    ]
+
+
+def test_a_range_error_inside_a_profile_names_the_profile():
+    """`profiles.power_cap_w (line 4)` left out the profile: its name has a `-`."""
+    text = "profiles:\n  r9700-psu-safe:\n    sclk_offset_mhz: -100\n    power_cap_w: 5000\n"
+    assert problems(text) == [
+        "profiles.r9700-psu-safe.power_cap_w (line 4): Input should be less than or equal to 2000"
+    ]
+
+
+def test_config_check_names_the_key_path_of_a_profile_typo(tmp_path):
+    cfg = tmp_path / "gpuguard.yaml"
+    cfg.write_text(CROSS)
+    r = subprocess.run([sys.executable, "-m", "gpuguard", "config", "check", str(cfg)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"  gpus[2].profile (line 9): profile 'xtx-200' is not defined" in r.stderr, r.stderr
+    assert "<top level>" not in r.stderr

@@ -169,3 +169,22 @@ def test_the_demo_killed_outright_takes_its_engine_with_it(tmp_path, wait_for):
         proc.kill()
         proc.wait(10)
     wait_for(lambda: not _alive(engine), timeout=10, what=f"the engine {engine} to stop with the demo")
+
+
+def test_demo_without_mfusepy_names_the_extra_that_brings_profiles(tmp_path):
+    """A plain `pip install gpuguard` has no mfusepy: the demo's first line says how to get
+    the FUSE host and its profiles, and that extra really carries mfusepy."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert any(d.startswith("mfusepy") for d in pyproject["project"]["optional-dependencies"]["demo"])
+    # mfusepy absent as in a plain install: None in sys.modules makes its import fail
+    run = ("import sys; sys.modules['mfusepy'] = None; from gpuguard.cli import main; "
+           f"sys.exit(main(['demo', '--no-engine', '--seconds', '0.5', '--port', '0', "
+           f"'--control', {str(tmp_path / 'sim.sock')!r}]))")
+    r = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("gpuguard demo: FUSE not available") and "pip install 'gpuguard[demo]'" in first, first
+    assert "without profiles" in first

@@ -159,3 +159,60 @@ def test_install_refuses_a_path_with_spaces_and_names_it(tmp_path):
     r = gpuguard("install-service", "--root", str(tmp_path), "--exec", "/opt/my env/bin/gpuguard")
     assert r.returncode == 1 and "'/opt/my env/bin/gpuguard' contains white space" in r.stderr
     assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_install_refuses_a_gpuguard_under_tmp_the_unit_cannot_see(tmp_path):
+    """The unit runs with PrivateTmp=yes: a venv under /tmp (or /var/tmp) is not there
+    for the service, which could never start."""
+    for exe in ("/tmp/venv/bin/gpuguard", "/var/tmp/gv/bin/gpuguard"):
+        r = gpuguard("install-service", "--root", str(tmp_path), "--exec", exe)
+        assert r.returncode == 1, r.stdout
+        assert f"ExecStart={exe}" in r.stderr and "PrivateTmp=yes" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_install_refuses_now_below_another_root(tmp_path):
+    """--now starts the service on this host; below --root nothing is started: said, not ignored."""
+    r = gpuguard("install-service", "--root", str(tmp_path), "--exec", EXE, "--now")
+    assert r.returncode == 1 and "--now" in r.stderr and "--root" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_install_under_umask_000_creates_folders_0755(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    r = subprocess.run([sys.executable, "-m", "gpuguard", "install-service", "--root", str(root), "--exec", EXE],
+                       capture_output=True, text=True, timeout=120, umask=0,
+                       env=dict(os.environ, PYTHONPATH=str(REPO / "daemon")))
+    assert r.returncode == 0, r.stderr
+    for d in ("etc", "etc/systemd", "etc/systemd/system", "etc/gpuguard", "usr", "usr/local", "usr/local/bin"):
+        assert mode(root / d) == 0o755, d
+    assert mode(root / "etc/gpuguard/api-tokens") == 0o600 and mode(root / "etc/gpuguard/gpuguard.yaml") == 0o600
+
+
+def test_an_existing_token_file_others_can_read_is_made_0600_and_said(tmp_path):
+    """The daemon refuses a token file others can read: a re-install that kept a 0644 one
+    left a service that would not start."""
+    root = tmp_path / "root"
+    tokens = root / "etc/gpuguard/api-tokens"
+    tokens.parent.mkdir(parents=True)
+    body = "admin: " + "ab" * 32 + "\n"
+    tokens.write_text(body)
+    tokens.chmod(0o644)
+    r = gpuguard("install-service", "--root", str(root), "--exec", EXE)
+    assert r.returncode == 0, r.stderr
+    assert mode(tokens) == 0o600 and tokens.read_text() == body  # the tokens kept, only the mode fixed
+    assert f"fix mode of {tokens}: 0644 -> 0600" in r.stdout, r.stdout
+    TokenStore.load(str(tokens))  # the daemon's own check accepts it now
+
+
+def test_a_token_file_that_is_a_link_is_refused_not_followed(tmp_path):
+    root = tmp_path / "root"
+    (root / "etc/gpuguard").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("not a token file\n")
+    elsewhere.chmod(0o644)
+    (root / "etc/gpuguard/api-tokens").symlink_to(elsewhere)
+    r = gpuguard("install-service", "--root", str(root), "--exec", EXE)
+    assert r.returncode == 1 and "not a regular file" in r.stderr, r.stderr
+    assert mode(elsewhere) == 0o644  # nothing changed through the link

@@ -4,6 +4,7 @@ properties the daemon depends on; its exposure score stays at "OK" or better."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,7 +16,9 @@ ANALYZE = shutil.which("systemd-analyze")
 pytestmark = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not installed (Debian package: systemd)")
 
 
-SECURITY_SCORE = 3.2  # `systemd-analyze security --offline=yes`, lower is better
+# `systemd-analyze security --offline=yes` (systemd 252), lower is better: 3.2 with
+# CAP_DAC_OVERRIDE in the bounding set, 3.0 since it moved to the caches drop-in
+SECURITY_SCORE = 3.0
 
 
 def analyze(*args: str, unit_path: Path | None = None) -> subprocess.CompletedProcess:
@@ -103,7 +106,7 @@ def test_service_properties_the_daemon_relies_on():
     assert one["ProtectSystem"] == "strict" and "/sys/devices" in " ".join(d["ReadWritePaths"])
     assert one["ProtectHome"] == "read-only" and one["PrivateTmp"] == "yes" and one["NoNewPrivileges"] == "yes"
     assert set(one["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
-    assert set(one["CapabilityBoundingSet"].split()) == {"CAP_KILL", "CAP_SYSLOG", "CAP_SYS_ADMIN", "CAP_DAC_OVERRIDE"}
+    assert set(one["CapabilityBoundingSet"].split()) == {"CAP_KILL", "CAP_SYSLOG", "CAP_SYS_ADMIN"}
     assert one["StateDirectory"] == "gpuguard" and one["ConfigurationDirectory"] == "gpuguard"
     # /dev/kmsg must stay readable: these would hide or deny it
     assert one.get("ProtectKernelLogs", "no") == "no" and one.get("PrivateDevices", "no") == "no"
@@ -122,8 +125,32 @@ def test_engines_start_after_gpuguard_and_the_second_one_later():
 
 def test_exposure_score_stays_ok(tmp_path):
     r = analyze("security", "--offline=yes", "--no-pager", "--threshold=40", str(UNITS / "gpuguard.service"))
+    if "--offline" in r.stderr and ("unrecognized" in r.stderr or "Unknown option" in r.stderr):
+        pytest.skip(f"this systemd-analyze has no --offline (systemd < 250): {r.stderr.strip()}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
     assert "Overall exposure level for gpuguard.service" in r.stdout
-    # not worse than when issue 19 measured it (3.2 offline here; 3.0 booted under systemd 252)
+    # not worse than the capabilities kept now (3.0 offline here; the caches drop-in adds 0.2)
     score = float(r.stdout.split("Overall exposure level for gpuguard.service:")[1].split()[0])
     assert score <= SECURITY_SCORE, r.stdout[-3000:]
+
+
+def capability_comments(unit: Path) -> dict[str, str]:
+    """`#   CAP_X  what it is for` lines of a unit's privileges comment."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^#\s+(CAP_[A-Z_]+)\s+(\S.*)$", unit.read_text(), re.M)}
+
+
+def test_every_kept_capability_says_what_it_is_for():
+    """Only what a feature needs is in the bounding set, and the unit names the feature.
+    CAP_DAC_OVERRIDE (renaming caches in other users' folders) comes with the caches
+    drop-in that opens those folders, not with every install."""
+    unit = UNITS / "gpuguard.service"
+    kept = directives(unit)["CapabilityBoundingSet"][-1].split()
+    said = capability_comments(unit)
+    for cap in kept:
+        assert cap in said, f"{cap} is in CapabilityBoundingSet= without a comment saying what needs it"
+    # CAP_SYS_ADMIN is justified by what the kernel and the NVIDIA driver gate on it
+    assert "CAP_SYS_ADMIN" not in kept or ("config space" in said["CAP_SYS_ADMIN"]), said.get("CAP_SYS_ADMIN")
+    assert "CAP_DAC_OVERRIDE" not in kept
+    caches = UNITS / "examples/gpuguard.service.d/caches.conf"
+    assert directives(caches)["CapabilityBoundingSet"] == ["CAP_DAC_OVERRIDE"]
+    assert "CAP_DAC_OVERRIDE" in capability_comments(caches)

@@ -19,14 +19,15 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("apply", help="apply (or --reset) clock/voltage/power profiles, read back, verify")
+    p = sub.add_parser("apply", help="apply (or --reset) clock/voltage/power profiles, read back, verify",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("gpus", nargs="*", metavar="GPU", help="GPU names or PCI addresses (default: every GPU with a profile)")
     p.add_argument("--profile", "-p", default=None, help="apply this profile instead of each GPU's assigned one")
     p.add_argument("--dry-run", action="store_true", help="validate and show the writes; write nothing")
     p.add_argument("--reset", action="append", default=[], metavar="GPU",
                    help="write `r` (+`c` where needed) and the default power cap, verify stock values")
-    p.add_argument("--config", "-c", default=None, help="config file (profiles, GPU names)")
-    p.add_argument("--sysfs-root", default=None, help="hardware below DIR instead of /")
+    p.add_argument("--config", "-c", metavar="FILE", default=None, help="config file (profiles, GPU names)")
+    p.add_argument("--sysfs-root", metavar="DIR", default=None, help="hardware below DIR instead of /")
     p.add_argument("--why", default="by hand", help="reason recorded in the audit log")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_apply)
@@ -136,7 +137,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
         if bdfs is None:
             return 2
         if not bdfs and not ident.missing:
-            print("gpuguard apply: no GPU has a profile assigned (gpus[].profile) and none was named", file=sys.stderr)
+            where = f"in {args.config}" if args.config else "without --config (the built-in defaults assign none)"
+            print(f"gpuguard apply: no GPU has a profile assigned (gpus[].profile) {where}, and none was named; "
+                  "give --config FILE, or --profile P with the GPUs", file=sys.stderr)
             return 2
         for b in bdfs:  # one card at a time
             pname = args.profile or pc.assignments.get(names[b])

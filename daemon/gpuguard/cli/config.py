@@ -9,10 +9,10 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("config", help="config file tools")
+    p = sub.add_parser("config", help="config file tools", description=__doc__)
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
-    c = csub.add_parser("check", help="validate a config file")
-    c.add_argument("file")
+    c = csub.add_parser("check", help="validate a config file", description=__doc__)
+    c.add_argument("file", metavar="FILE")
     c.set_defaults(func=cmd_check)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 

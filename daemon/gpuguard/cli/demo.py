@@ -21,9 +21,10 @@ from importlib import resources
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the daemon on the simulated incident host")
+    p = sub.add_parser("demo", help="run the daemon on the simulated incident host", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", default="incident", help="simulated host (incident, incident-x8, incident-late, ...)")
-    p.add_argument("--config", "-c", default=None, help="config file (default: the built-in demo config)")
+    p.add_argument("--config", "-c", metavar="FILE", default=None, help="config file (default: the built-in demo config)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 9436, or a free one if taken)")
     p.add_argument("--dir", default=None, help="where to put the simulated tree (default: a temporary folder)")
     p.add_argument("--tree", action="store_true",
@@ -221,8 +222,8 @@ def _serve(args: argparse.Namespace, host, config, workdir: str, started: contex
     if not args.tree:
         try:
             from gpuguard.sim.fuse import fuse_available, mount as fuse_mount
-        except ImportError as e:  # mfusepy comes with the [test] extra, not a plain install
-            reason = f"{e.name or 'mfusepy'} is not installed (pip install mfusepy)"
+        except ImportError as e:  # mfusepy comes with the [demo] (and [test]) extra, not a plain install
+            reason = f"{e.name or 'mfusepy'} is not installed: pip install 'gpuguard[demo]'"
             fuse_mount = None
         except OSError as e:  # mfusepy raises this at import when libfuse is missing
             reason = f"{e} (apt-get install fuse3)"
@@ -331,16 +332,20 @@ def _serve(args: argparse.Namespace, host, config, workdir: str, started: contex
                     f"  metrics:   {base}/metrics",
                     f"  status:    {base}/v1/status",
                     f"  events:    {base}/v1/events",
+                    # status, engines and events find the daemon through it (cli/_daemon_api.py):
+                    # the demo's port is not 9436 when 9436 was busy
+                    "  point the commands at it (this shell):",
+                    f"    export GPUGUARD_API={base}",
                     "  try:",
-                    f"    gpuguard status --api {base}",
+                    "    gpuguard status",
                     f"    gpuguard status --sysfs-root {root}",
                     f"    gpuguard pcie --sysfs-root {root}",
                     f"    gpuguard doctor --sysfs-root {root}",
-                    f"    gpuguard events --api {base}",
+                    "    gpuguard events",
                 ]
                 + (
                     [
-                        f"    gpuguard engines --api {base}",
+                        "    gpuguard engines",
                         f"    curl -X POST {engine.url}/sim/stall   # a hung request: watch it get killed and come back",
                     ]
                     if engine

@@ -24,9 +24,10 @@ def exposure_findings(cfg) -> list[Finding]:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("doctor", help="check PCIe links, BARs, P2P, AtomicOps, AER and telemetry; exit non-zero on problems")
+    p = subparsers.add_parser("doctor", help="check PCIe links, BARs, P2P, AtomicOps, AER and telemetry; exit non-zero on problems",
+                              description=__doc__)
     add_source_args(p)
-    p.add_argument("--config", metavar="FILE",
+    p.add_argument("--config", "-c", metavar="FILE",
                    help="gpuguard config (read by the daemon's own loader) with gpus[].expect_link")
     p.add_argument("--history", metavar="FILE",
                    help="the daemon's PCIe load history (default: STATE_DIR/pcie-load-history.json of --config, "
@@ -38,7 +39,6 @@ def register(subparsers) -> None:
 def run(args) -> int:
     entries: list = []
     exposure: list = []
-    state_dir = "/var/lib/gpuguard" if args.sysfs_root == "/" and not args.replay else None
     if args.config:
         # One loader for everything: what the daemon accepts, doctor accepts.
         from gpuguard.config import ConfigError, load_config
@@ -50,6 +50,10 @@ def run(args) -> int:
         except ConfigError as e:
             print(f"gpuguard doctor: {e.render()}", file=sys.stderr)
             return 2
+        if args.sysfs_root is None:  # the tree the daemon with this config reads; --sysfs-root wins
+            args.sysfs_root = cfg.sysfs_root
+    else:
+        state_dir = "/var/lib/gpuguard" if args.sysfs_root in (None, "/") and not args.replay else None
     try:
         src, report, lines = load(args)
     except (CaptureError, OSError) as e:

@@ -8,14 +8,14 @@ import sys
 
 import httpx
 
-DEFAULT_API = "http://127.0.0.1:9436"
+from gpuguard.cli._daemon_api import add_api_argument, daemon_api
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("engines", help="inference engines: state, progress, last action",
                               description=__doc__)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--api", default=DEFAULT_API, help=f"daemon API base URL (default {DEFAULT_API})")
+    add_api_argument(p)
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon")
     p.set_defaults(func=run)
 
@@ -45,12 +45,14 @@ def fetch(api: str, timeout: float) -> list[dict]:
 
 
 def run(args) -> int:
-    url = args.api.rstrip("/") + "/v1/engines"
+    api = daemon_api(args)
+    url = api.url("/v1/engines")
     try:
-        engines = fetch(args.api, args.timeout)
+        engines = fetch(api.base, args.timeout)
     except (httpx.HTTPError, OSError) as exc:
-        msg = (f"gpuguard daemon API not reachable at {url} ({type(exc).__name__}: {exc}). "
-               "Engine state comes from the running daemon: is `gpuguard run` up, and is --api right?")
+        msg = (f"gpuguard daemon API not reachable at {url} (from {api.source}; {type(exc).__name__}: {exc}). "
+               "Engine state comes from the running daemon: is `gpuguard run` up, and do --api / "
+               "$GPUGUARD_API point at it?")
         if args.json:
             print(json.dumps({"error": msg, "api": url}))
         print(msg, file=sys.stderr)

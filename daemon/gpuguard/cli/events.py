@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
 from collections import Counter
 from typing import Any, TextIO
 
-DEFAULT_API = "http://127.0.0.1:9436"
+from gpuguard.cli._daemon_api import add_api_argument, daemon_api
+
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)?\s*$")
 _UNITS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -36,8 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--since", type=parse_duration, default=None, metavar="DURATION",
                    help="only events newer than this (30s, 10m, 2h, 1d)")
-    p.add_argument("--api", default=os.environ.get("GPUGUARD_API", DEFAULT_API),
-                   help=f"daemon control API (default {DEFAULT_API}, env GPUGUARD_API)")
+    add_api_argument(p)
     p.add_argument("--timeout", type=float, default=2.0, help="API timeout in seconds")
     p.set_defaults(func=cmd_events)
     sub = p.add_subparsers(dest="events_command", metavar="SUBCOMMAND")
@@ -57,13 +56,14 @@ def cmd_events(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {}
     if args.since is not None:
         params["since"] = time.time() - args.since
-    url = args.api.rstrip("/") + "/v1/events"
+    api = daemon_api(args)
+    url = api.url("/v1/events")
     try:
-        resp = httpx.get(url, params=params, timeout=args.timeout)
+        resp = httpx.get(url, params=params, timeout=args.timeout, trust_env=False)
     except httpx.TransportError as e:
-        print(f"gpuguard events: no gpuguard daemon API reachable at {args.api} ({type(e).__name__}: {e}).\n"
+        print(f"gpuguard events: no gpuguard daemon API reachable at {api.describe()} ({type(e).__name__}: {e}).\n"
               "Start the daemon (`gpuguard run` / `systemctl start gpuguard`) or point --api / "
-              "GPUGUARD_API at it.\nTo classify a saved log instead: gpuguard events classify FILE",
+              "$GPUGUARD_API at it.\nTo classify a saved log instead: gpuguard events classify FILE",
               file=sys.stderr)
         return 1
     if resp.status_code != 200:

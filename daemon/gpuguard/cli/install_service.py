@@ -9,15 +9,17 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("install-service", help="write the systemd unit, config and token file; enable the service")
-    p.add_argument("--root", default="/", help="install below DIR (an image or a test root); default /")
-    p.add_argument("--exec", dest="executable", default=None,
+    p = sub.add_parser("install-service", help="write the systemd unit, config and token file; enable the service",
+                       description=__doc__)
+    p.add_argument("--root", metavar="DIR", default="/", help="install below DIR (an image or a test root); default /")
+    p.add_argument("--exec", dest="executable", metavar="FILE", default=None,
                    help="the gpuguard the unit runs (default: this installation's bin/gpuguard)")
     p.add_argument("--now", action="store_true", help="also start it (systemctl enable --now; not below --root)")
     p.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
     p.set_defaults(func=cmd_install)
-    u = sub.add_parser("uninstall-service", help="stop and disable the service, remove its unit (config is kept)")
-    u.add_argument("--root", default="/", help="uninstall below DIR; default /")
+    u = sub.add_parser("uninstall-service", help="stop and disable the service, remove its unit (config is kept)",
+                       description=__doc__)
+    u.add_argument("--root", metavar="DIR", default="/", help="uninstall below DIR; default /")
     u.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
     u.set_defaults(func=cmd_uninstall)
 

@@ -34,7 +34,8 @@ ROLE_NAMES = {
 
 def add_source_args(p) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--sysfs-root", metavar="DIR", default="/", help="read hardware below DIR (default /)")
+    p.add_argument("--sysfs-root", metavar="DIR", default=None,
+                   help="read hardware below DIR (default /; doctor: the sysfs_root of --config)")
     p.add_argument("--replay", metavar="FILE", help="read a PCIe capture file instead of the host")
     p.add_argument("--busy", action="store_true",
                    help="treat every GPU as working (a slower link is then a finding, not power saving)")
@@ -42,7 +43,7 @@ def add_source_args(p) -> None:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("pcie", help="PCIe path, narrowest hop, BARs and P2P of every GPU")
+    p = subparsers.add_parser("pcie", help="PCIe path, narrowest hop, BARs and P2P of every GPU", description=__doc__)
     add_source_args(p)
     p.add_argument("--capture", metavar="FILE", help="write a capture of this host's PCI tree to FILE and exit")
     p.add_argument("--all-devices", action="store_true", help="with --capture: every PCI function, not only GPU paths")
@@ -83,7 +84,7 @@ class Source:
             replay(args.replay, self._tmp.name)
             self.root = SysfsRoot(self._tmp.name)
         else:
-            self.root = SysfsRoot(args.sysfs_root)
+            self.root = SysfsRoot(args.sysfs_root or "/")
 
     def close(self) -> None:
         if self._tmp:
@@ -116,7 +117,7 @@ def nvml_vram(root: SysfsRoot) -> dict[str, int]:
 def run(args) -> int:
     if args.capture:
         try:
-            s = capture(SysfsRoot(args.sysfs_root), args.capture, all_devices=args.all_devices)
+            s = capture(SysfsRoot(args.sysfs_root or "/"), args.capture, all_devices=args.all_devices)
         except OSError as e:
             print(f"gpuguard pcie: cannot write {args.capture}: {e.strerror}", file=sys.stderr)
             return 1
@@ -138,7 +139,7 @@ def run(args) -> int:
             render(report, sys.stdout)
     finally:
         src.close()
-    return 0
+    return 0 if report.gpus else 1  # no GPU is a warning, as in `gpuguard doctor` (exit 1)
 
 
 # ------------------------------------------------------------------ rendering

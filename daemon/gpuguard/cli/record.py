@@ -22,7 +22,7 @@ DEFAULT_DB = "/var/lib/gpuguard/flight.sqlite"
 def add_db_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=None, metavar="FILE",
                    help=f"flight recorder file (default: recorder.path of --config, else {DEFAULT_DB})")
-    p.add_argument("--config", "-c", default=None, help="gpuguard.yaml to take recorder.path from")
+    p.add_argument("--config", "-c", metavar="FILE", default=None, help="gpuguard.yaml to take recorder.path from")
 
 
 def db_path(args: argparse.Namespace) -> str:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("reload", help="reload a running daemon's config and wait for the outcome")
+    p = sub.add_parser("reload", help="reload a running daemon's config and wait for the outcome", description=__doc__)
     p.add_argument("--pid", type=int, required=True, help="the daemon's PID (systemd: $MAINPID)")
-    p.add_argument("--record", default=None,
+    p.add_argument("--record", metavar="FILE", default=None,
                    help="reload record the daemon writes (default: $RUNTIME_DIRECTORY/reload.json, /run/gpuguard/reload.json)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the daemon (default 60)")
     p.set_defaults(func=cmd_reload)

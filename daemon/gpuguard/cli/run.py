@@ -1,4 +1,7 @@
-"""`gpuguard run --config FILE`: the daemon."""
+"""`gpuguard run --config FILE`: the daemon. Polls the GPUs, walks PCIe, applies and
+verifies profiles, watches engines and the kernel log, records, and serves /metrics, the
+page and the control API on `listen:` until SIGTERM/SIGINT; SIGHUP re-reads the config.
+Exit 2: the config is invalid (each problem names its key and line)."""
 from __future__ import annotations
 
 import argparse
@@ -7,10 +10,10 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run the daemon (poller, /metrics, API)")
-    p.add_argument("--config", "-c", default=None, help="config file (default: built-in defaults)")
-    p.add_argument("--sysfs-root", default=None, help="read hardware below DIR instead of /")
-    p.add_argument("--listen", default=None, help="override listen address HOST:PORT")
+    p = sub.add_parser("run", help="run the daemon (poller, /metrics, API)", description=__doc__)
+    p.add_argument("--config", "-c", metavar="FILE", default=None, help="config file (default: built-in defaults)")
+    p.add_argument("--sysfs-root", metavar="DIR", default=None, help="read hardware below DIR instead of /")
+    p.add_argument("--listen", metavar="HOST:PORT", default=None, help="override listen address HOST:PORT")
     p.set_defaults(func=cmd_run)
 
 

@@ -1,8 +1,11 @@
 """`gpuguard status`: one table a person reads at a glance (name, PCI address, model,
 power/cap, temperatures, clocks, fan, busy, VRAM, OD state); `--json` for scripts.
 
-With `--sysfs-root` (or when no daemon answers) it reads the hardware once itself;
-otherwise it asks the running daemon's API, so it shows what the daemon sees."""
+With `--sysfs-root` it reads the hardware once itself; otherwise it asks the running
+daemon's API (`--api`, else $GPUGUARD_API, else the listen: of `--config`, else
+127.0.0.1:9436), so it shows what the daemon sees. A daemon named by `--api` or $GPUGUARD_API that does
+not answer is an error (exit 2, the URL named); otherwise, with no daemon answering, it
+reads this host itself and its first line says so."""
 from __future__ import annotations
 
 import argparse
@@ -11,15 +14,16 @@ import json
 import sys
 from typing import Any
 
-DEFAULT_API = "http://127.0.0.1:9436"
+from gpuguard.cli._daemon_api import DaemonApi, add_api_argument, daemon_api
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="GPU table (from the daemon, or read directly)")
+    p = sub.add_parser("status", help="GPU table (from the daemon, or read directly)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--sysfs-root", default=None, help="read hardware below DIR (no daemon)")
-    p.add_argument("--config", "-c", default=None, help="config file (GPU names)")
-    p.add_argument("--api", default=None, help=f"daemon API base URL (default {DEFAULT_API})")
+    p.add_argument("--sysfs-root", metavar="DIR", default=None, help="read hardware below DIR (no daemon)")
+    p.add_argument("--config", "-c", metavar="FILE", default=None, help="config file (GPU names)")
+    add_api_argument(p)
     p.set_defaults(func=cmd_status)
 
 
@@ -69,17 +73,28 @@ def render_processes(doc: dict[str, Any] | None) -> str:
     return "GPU processes:\n" + "\n".join("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def ask_daemon(base: str) -> dict[str, Any] | None:
-    """The running daemon's /v1/status, or None when no daemon answers there."""
+class NoDaemon(Exception):
+    """No usable /v1/status there; the message says why (refused, HTTP 401, not JSON)."""
+
+
+def ask_daemon(api: DaemonApi) -> dict[str, Any]:
+    """The running daemon's /v1/status."""
     import httpx
 
+    url = api.url("/v1/status")
     try:
-        r = httpx.get(f"{base.rstrip('/')}/v1/status", timeout=1.0)
-    except httpx.HTTPError:
-        return None
+        r = httpx.get(url, timeout=3.0, trust_env=False)
+    except httpx.HTTPError as e:
+        raise NoDaemon(f"{type(e).__name__}: {e}") from None
     if r.status_code != 200:
-        return None
-    return r.json()
+        raise NoDaemon(f"{url} answered HTTP {r.status_code}: {r.text[:200]}")
+    try:
+        doc = r.json()
+    except ValueError:
+        raise NoDaemon(f"{url} did not answer JSON: {r.text[:200]!r}") from None
+    if not isinstance(doc, dict):
+        raise NoDaemon(f"{url} answered no status document")
+    return doc
 
 
 def _fmt(v: float | None, spec: str, unit: str = "") -> str:
@@ -181,16 +196,30 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(e.render(), file=sys.stderr)
         return 2
     doc = None
+    source = None  # the first line: what was read, unless --sysfs-root asked for this host
     if args.sysfs_root is None:
-        api = args.api or f"http://{config.listen.address}:{config.listen.port}"
-        doc = ask_daemon(api)
+        api = daemon_api(args, config.listen if args.config else None)
+        try:
+            doc = ask_daemon(api)
+            source = f"from the daemon at {api.describe()}"
+        except NoDaemon as e:
+            if api.named:  # the user meant that daemon: this host's cards are not the answer
+                print(f"gpuguard status: no gpuguard daemon answers at {api.describe()}: {e}.\n"
+                      "Start it (`gpuguard run` / `systemctl start gpuguard`), or fix the URL; "
+                      "`--sysfs-root /` reads this host directly.", file=sys.stderr)
+                return 2
+            source = f"no daemon at {api.describe()}; this host read directly below {config.sysfs_root}"
     if doc is None:
         doc = read_local_doc(args.sysfs_root or config.sysfs_root, config)
     gpus = doc.get("gpus", [])
     missing = doc.get("missing") or []
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
+        if source:
+            print(f"gpuguard status: {source}", file=sys.stderr)
     else:
+        if source:
+            print(source)
         if doc.get("summary"):
             print(doc["summary"])  # configured vs present: `3/4 GPUs up; missing xtx-0 (1002:744c #0)`
         print(render_table(gpus, doc.get("profiles")))

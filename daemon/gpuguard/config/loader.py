@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from gpuguard.config.schema import Config
+from gpuguard.config.schema import Config, KeyedProblems
 
 
 @dataclass(frozen=True)
@@ -125,10 +125,38 @@ def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
     return best
 
 
-def _clean_loc(loc: tuple) -> tuple:
-    # pydantic puts discriminator / function names into loc ("function-after[...]");
-    # they are not keys a user wrote.
-    return tuple(p for p in loc if isinstance(p, int) or ("[" not in str(p) and "-" not in str(p)))
+def _clean_loc(loc: tuple, data: Any) -> tuple:
+    """The keys a user wrote, out of pydantic's loc: it adds discriminator / function
+    names ("function-after[...]", "tagged-union[...]"). A part that is a key (or index)
+    in the data is the user's, whatever characters it holds (a profile named
+    `r9700-psu-safe` was dropped for its `-`); one that is not (a missing field) is kept
+    unless it has the look of pydantic's own names."""
+    out = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            out.append(part)
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            out.append(part)
+            node = node[part]
+        elif isinstance(part, int) or ("[" not in str(part) and "-" not in str(part)):
+            out.append(part)
+            node = None
+    return tuple(out)
+
+
+def _problems(err: dict, data: Any, node: yaml.Node | None) -> list[ConfigProblem]:
+    """One pydantic error as problems: a cross-reference check (KeyedProblems) gives one
+    per value at fault, keyed below the model that raised it."""
+    loc = _clean_loc(tuple(err["loc"]), data)
+    keyed = (err.get("ctx") or {}).get("error")
+    if isinstance(keyed, KeyedProblems):
+        return [ConfigProblem(_key_path(loc + sub), _line_of(node, loc + sub), msg) for sub, msg in keyed.problems]
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key (check the spelling; see config/gpuguard.yaml for every key)"
+    return [ConfigProblem(_key_path(loc), _line_of(node, loc), msg)]
 
 
 def _expanded_size(node: yaml.Node | None, limit: int) -> int:
@@ -170,13 +198,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     except RecursionError:
         raise ConfigError(source, [ConfigProblem("", None, "nested too deeply")]) from None
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            loc = _clean_loc(tuple(err["loc"]))
-            msg = err["msg"]
-            if err["type"] == "extra_forbidden":
-                msg = "unknown key (check the spelling; see config/gpuguard.yaml for every key)"
-            problems.append(ConfigProblem(_key_path(loc), _line_of(node, loc), msg))
+        problems = [p for err in e.errors() for p in _problems(err, data, node)]
         raise ConfigError(source, problems) from None
 
 

@@ -119,30 +119,33 @@ class Config(Strict):
         return data
 
     @model_validator(mode="after")
-    def _profiles_exist(self) -> "Config":
+    def _cross_references(self) -> "Config":
+        """Names that must point at something, checked together: each problem is keyed by
+        the value that is wrong (`gpus[2].profile`), so the loader names it and its line."""
         problems = assignment_problems(self)
+        first: dict[str, int] = {}
+        for i, g in enumerate(self.gpus):
+            if g.name in first:
+                problems.append((("gpus", i, "name"), f"GPU name {g.name!r} is used twice in gpus (first at gpus[{first[g.name]}])"))
+            first.setdefault(g.name, i)
+        seen_engines: set[str] = set()
+        for i, e in enumerate(self.engines):
+            if e.name in seen_engines:
+                problems.append((("engines", i, "name"), f"engine name {e.name!r} is used twice in engines"))
+            seen_engines.add(e.name)
+            for j, gpu in enumerate(e.gpus):
+                if first and gpu not in first and not gpu.startswith("card"):
+                    problems.append((("engines", i, "gpus", j), f"engine {e.name}: {gpu!r} is not a name in gpus: "
+                                                                 f"({', '.join(sorted(first))})"))
         if problems:
-            raise ValueError("; ".join(problems))
+            raise KeyedProblems(problems)
         return self
 
-    @model_validator(mode="after")
-    def _engines(self) -> "Config":
-        names = [e.name for e in self.engines]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"engine name(s) used twice in engines: {', '.join(dup)}")
-        gpu_names = {g.name for g in self.gpus}
-        for e in self.engines:
-            unknown = [g for g in e.gpus if g not in gpu_names and not g.startswith("card")]
-            if unknown and gpu_names:
-                raise ValueError(f"engine {e.name}: gpus {unknown} are not names in gpus: ({', '.join(sorted(gpu_names))})")
-        return self
 
-    @model_validator(mode="after")
-    def _unique_names(self) -> "Config":
-        seen: set[str] = set()
-        for g in self.gpus:
-            if g.name in seen:
-                raise ValueError(f"GPU name {g.name!r} is used twice in gpus")
-            seen.add(g.name)
-        return self
+class KeyedProblems(ValueError):
+    """Problems found across sections, each with the key path (relative to the model that
+    raised it) of the value at fault; config/loader.py turns each into its own line."""
+
+    def __init__(self, problems: list[tuple[tuple, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems))

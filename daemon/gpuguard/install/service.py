@@ -15,7 +15,11 @@ then `systemctl daemon-reload` and `systemctl enable [--now] gpuguard.service`
 (`systemctl --root=DIR enable` below another root: links only, nothing started).
 
 Idempotent: an existing config or token file is never replaced (an operator's edits and
-tokens survive a re-install); the unit is rewritten only when its text differs.
+tokens survive a re-install); the unit is rewritten only when its text differs. An
+existing token file that others can read gets mode 0600, said in the output (the daemon
+refuses to start with it otherwise). Folders it creates are 0755 whatever the umask.
+Refused, with the reason: a gpuguard under /tmp or /var/tmp (the unit's PrivateTmp=
+hides it from the service) and `--now` below another root (nothing is started there).
 Uninstall disables and stops the service and removes the unit only if install-service
 wrote it; the config, the tokens, /var/lib/gpuguard and the command link are kept.
 """
@@ -25,6 +29,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -48,7 +53,7 @@ class InstallError(Exception):
 @dataclass(frozen=True)
 class Step:
     """One thing to do. `path` is relative to the root; `content`/`mode` for files."""
-    action: str  # write | mkdir | link | remove | run | keep
+    action: str  # write | mkdir | chmod | link | remove | run | keep
     path: str = ""
     mode: int | None = None
     content: str | None = None
@@ -63,6 +68,8 @@ class Step:
             return f"write {where}{mode}: {self.why}"
         if self.action == "mkdir":
             return f"create directory {where}{mode}"
+        if self.action == "chmod":
+            return f"fix mode of {where}: {self.why}"
         if self.action == "link":
             return f"link {where} -> {self.target}"
         if self.action == "remove":
@@ -105,6 +112,13 @@ def unit_text(executable: Path) -> str:
     exe = str(executable)
     if any(c.isspace() for c in exe):
         raise InstallError(f"the gpuguard path {exe!r} contains white space; install it in a path without")
+    if re.search(r"^PrivateTmp=(yes|true|on|1)\s*$", text, re.M):
+        for tmp in ("/tmp", "/var/tmp"):
+            if any(p == Path(tmp) or Path(tmp) in p.parents for p in (Path(exe), Path(os.path.realpath(exe)))):
+                raise InstallError(
+                    f"ExecStart={exe} lies under {tmp}, and the unit runs with PrivateTmp=yes (its own empty "
+                    f"{tmp}): the service could never start. Install gpuguard outside /tmp and /var/tmp "
+                    "(e.g. python3 -m venv /opt/gpuguard, or pipx) and run install-service from there, or pass --exec")
     text, n_start = re.subn(r"^ExecStart=\S+ run ", f"ExecStart={exe} run ", text, count=1, flags=re.M)
     text, n_reload = re.subn(r"^ExecReload=\S+ reload ", f"ExecReload={exe} reload ", text, count=1, flags=re.M)
     if n_start != 1 or n_reload != 1:
@@ -130,6 +144,10 @@ def token_text() -> str:
 
 def plan_install(root: Path, executable: Path, start: bool = False) -> Plan:
     root = Path(root)
+    if start and root.resolve() != Path("/"):
+        raise InstallError(f"--now starts the service on this host, but --root {root} installs into another tree, "
+                           "where nothing is started (only its [Install] links are made): drop --now, and start it "
+                           "where that tree runs")
     steps: list[Step] = []
     unit = f"{UNIT_DIR}/{UNIT_NAME}"
     text = unit_text(executable)
@@ -146,8 +164,16 @@ def plan_install(root: Path, executable: Path, start: bool = False) -> Plan:
     else:
         steps.append(Step("write", config, 0o600, config_text(f"/{tokens}"),
                           why=f"the annotated example, api.token_file: /{tokens}"))
-    if (root / tokens).exists():
+    if os.path.lexists(root / tokens):
+        st = os.lstat(root / tokens)
+        if not stat.S_ISREG(st.st_mode):  # never chmod through a link: it may point anywhere
+            raise InstallError(f"{root / tokens} exists but is not a regular file (a link or a folder); the daemon "
+                               "refuses it as api.token_file: move it away and re-run install-service")
         steps.append(Step("keep", tokens, why="exists (never overwritten)"))
+        held = stat.S_IMODE(st.st_mode)
+        if held & 0o077:  # control/auth.py refuses it: the service would not start
+            steps.append(Step("chmod", tokens, 0o600, why=f"{held:04o} -> 0600 (others could read the tokens, and "
+                                                          "the daemon refuses such a file; consider new tokens)"))
     else:
         steps.append(Step("write", tokens, 0o600, token_text(), why="one new random token named admin"))
     if str(executable) != f"/{LINK}" and not os.path.lexists(root / LINK):
@@ -194,7 +220,7 @@ def carry_out(plan: Plan, out=sys.stdout) -> None:
         target = plan.root / step.path
         try:
             if step.action == "write":
-                target.parent.mkdir(parents=True, exist_ok=True)
+                _make_parents(target)
                 tmp = target.with_name(f".{target.name}.new")
                 # created with its final mode: a token file is never readable by others, not even briefly
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, step.mode)
@@ -203,10 +229,13 @@ def carry_out(plan: Plan, out=sys.stdout) -> None:
                 os.chmod(tmp, step.mode)
                 os.replace(tmp, target)
             elif step.action == "mkdir":
-                target.mkdir(parents=True, exist_ok=True)
+                _make_parents(target)
+                target.mkdir(exist_ok=True)
+                os.chmod(target, step.mode)
+            elif step.action == "chmod":
                 os.chmod(target, step.mode)
             elif step.action == "link":
-                target.parent.mkdir(parents=True, exist_ok=True)
+                _make_parents(target)
                 os.symlink(step.target, target)
             elif step.action == "remove":
                 target.unlink()
@@ -219,6 +248,19 @@ def carry_out(plan: Plan, out=sys.stdout) -> None:
                     raise InstallError(f"`{' '.join(step.argv)}` failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()}")
         except OSError as e:
             raise InstallError(f"cannot {step.action} {target}: {e.strerror}") from None
+
+
+def _make_parents(target: Path) -> None:
+    """The missing folders above `target`, each 0755: under umask 000 mkdir -p made
+    etc/ and etc/systemd/system world-writable (anyone could replace the unit)."""
+    missing = []
+    for parent in target.parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    for folder in reversed(missing):
+        folder.mkdir(exist_ok=True)
+        os.chmod(folder, 0o755)
 
 
 def _read(path: Path) -> str | None:

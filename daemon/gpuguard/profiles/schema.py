@@ -110,12 +110,13 @@ class ProfilesConfig(_Strict):
         )
 
 
-def assignment_problems(config: Any) -> list[str]:
-    """`gpus[i].profile` names that no profile defines, as config-problem lines (for the
-    root config's validator)."""
+def assignment_problems(config: Any) -> list[tuple[tuple, str]]:
+    """`gpus[i].profile` names that no profile defines, as (key path, message) pairs for
+    the root config's validator: the path is the key that holds the wrong name."""
     profiles = getattr(config, "profiles", None) or {}
+    known = ", ".join(sorted(profiles)) or "none"
     out = []
     for i, g in enumerate(getattr(config, "gpus", [])):
         if g.profile and g.profile not in profiles:
-            out.append(f"gpus[{i}].profile: profile {g.profile!r} is not defined under profiles")
+            out.append((("gpus", i, "profile"), f"profile {g.profile!r} is not defined under profiles (defined: {known})"))
     return out
