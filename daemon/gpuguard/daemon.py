@@ -631,3 +631,7 @@ class Daemon:
             loop.remove_signal_handler(sig)
         self.state_dir.release()
         log.info("stopped: in %.1f s", time.monotonic() - t0)
+        for pool in (self.profiles.calls, self.poller.calls):
+            for waiting in pool.in_kernel():
+                log.warning("stop: a device call is still inside the driver (%s); the process stays in /proc until "
+                            "the driver returns: no signal, SIGKILL included, ends a thread waiting on the kernel", waiting)

@@ -139,7 +139,7 @@ class GpuPoller:
         self._discover_requested = asyncio.Event()
         self._stuck: dict[str, concurrent.futures.Future] = {}
         # daemon threads: a read stuck in a wedged card is abandoned at stop (hw/device_calls.py)
-        self._pool = DeviceCalls("gpuguard-read")
+        self.calls = DeviceCalls("gpuguard-read")
         self.cycles = 0
         self.last_cycle_end: float | None = None  # monotonic; /healthz reads it
         self.on_cycle: list[Callable[[HostSnapshot], None]] = []  # e.g. the systemd watchdog ping
@@ -154,7 +154,7 @@ class GpuPoller:
         self._discover_requested.set()
 
     async def _run_blocking(self, fn, *args, timeout: float | None = None):
-        return await self._pool.run(fn, *args, timeout=timeout or self.timeout)
+        return await self.calls.run(fn, *args, timeout=timeout or self.timeout)
 
     async def _unchanged(self, source: GpuSource, unchanged: Callable[[], bool]) -> bool:
         try:
@@ -228,7 +228,7 @@ class GpuPoller:
             todo.append(bdf)
         if todo:
             batch = _Batch(todo, self._read_blocking)
-            cf = self._pool.submit(batch.run)
+            cf = self.calls.submit(batch.run)
             try:
                 await asyncio.wait_for(asyncio.wrap_future(cf), self.timeout)
             except asyncio.TimeoutError:
@@ -244,7 +244,7 @@ class GpuPoller:
         return [out[b] for b in bdfs]
 
     async def _read_alone(self, bdf: str) -> GpuSnapshot:
-        cf = self._pool.submit(self._read_blocking, bdf)
+        cf = self.calls.submit(self._read_blocking, bdf)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(cf), self.timeout)
         except asyncio.TimeoutError:
@@ -309,4 +309,4 @@ class GpuPoller:
                 pass
 
     def close(self) -> None:
-        self._pool.close()
+        self.calls.close()

@@ -289,3 +289,56 @@ kernel: {allow_userspace: true, udev: false, recover_settle_seconds: 0.2}
 
     (rec,) = wait_for(verified_after_reset, what="the verified re-apply in the audit log")
     assert rec["who"] == "policy" and rec["target"] == "xtx-0"
+
+
+def test_concurrent_applies_with_confirm_windows_revert_to_the_state_before_and_status_says_what_the_card_holds(
+        sim, start_daemon, wait_for, tmp_path):
+    # Seen: after 24 concurrent applies and their reverts xtx-0 ran sclk_max 1900 while
+    # /v1/status said "xtx-2000 verified" and gpuguard_profile_verified{profile="restore"} was 1.
+    import concurrent.futures
+
+    import httpx
+
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("ops: s3cret-token-0123456789\n")
+    tokens.chmod(0o600)
+    cfg = NAMES.replace('{name: xtx-0, match: {bdf: "0000:aa:00.0"}}',
+                        '{name: xtx-0, match: {bdf: "0000:aa:00.0"}, profile: xtx-2000}') + f"""
+profiles:
+  xtx-2000: {{sclk_max_mhz: 2000, vddgfx_offset_mv: -100}}
+  xtx-1900: {{sclk_max_mhz: 1900, vddgfx_offset_mv: -100}}
+  xtx-1800: {{sclk_max_mhz: 1800, vddgfx_offset_mv: -100}}
+api: {{token_file: {tokens}}}
+"""
+    d = start_daemon(sim.mount, cfg)
+    xtx0 = "0000:aa:00.0"
+
+    def state() -> dict:
+        return next(g for g in httpx.get(f"{d.base}/v1/status", timeout=5).json()["gpu_states"] if g["name"] == "xtx-0")
+
+    wait_for(lambda: state()["profile_state"] == "verified", timeout=30, what="xtx-2000 applied at start")
+    assert "1: 2000Mhz" in _od(sim, xtx0).split("OD_MCLK")[0]
+    auth = {"Authorization": "Bearer s3cret-token-0123456789"}
+
+    def apply(i: int) -> int:
+        p = ("xtx-1900", "xtx-1800")[i % 2]
+        return httpx.post(f"{d.base}/v1/gpus/xtx-0/apply", json={"profile": p, "confirm_within": 2, "reason": f"t{i}"},
+                          headers=auth, timeout=60).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        codes = list(pool.map(apply, range(24)))
+    assert set(codes) <= {200}, codes
+    # mid-window, the card does not run its configured profile: status must not say it does
+    sclk = _od(sim, xtx0).split("OD_MCLK")[0]
+    assert "1: 1900Mhz" in sclk or "1: 1800Mhz" in sclk, sclk
+    assert state()["profile_state"] != "verified", state()
+    wait_for(lambda: httpx.get(f"{d.base}/v1/status", timeout=5).json()["pending_confirm"] == {}, timeout=30,
+             what="every window to expire")
+    wait_for(lambda: any(e["kind"] == "profile_reverted" for e in httpx.get(f"{d.base}/v1/events", timeout=5).json()),
+             timeout=30, what="the revert")
+    # the revert put back the state before the first unconfirmed apply: the configured profile
+    assert "1: 2000Mhz" in _od(sim, xtx0).split("OD_MCLK")[0], _od(sim, xtx0)
+    st = wait_for(lambda: (s := state())["profile_state"] == "verified" and s, timeout=15, what="status after the revert")
+    assert st["profile"] == "xtx-2000"
+    assert d.value("gpuguard_profile_verified", gpu="xtx-0", profile="xtx-2000") == 1.0
+    assert d.value("gpuguard_profile_verified", gpu="xtx-0", profile="restore") is None

@@ -72,7 +72,7 @@ def test_answering_cards_are_read_on_one_device_thread():
     assert len(snaps[-1].gpus) == 4
     # discovery and five cycles of four reads: one worker, reused
     assert len(cards.threads) == 1, cards.threads
-    assert poller._pool.started == 1
+    assert poller.calls.started == 1
 
 
 def test_a_wedged_card_is_reported_and_the_others_are_read_in_the_same_cycle():

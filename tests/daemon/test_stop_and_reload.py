@@ -421,3 +421,50 @@ def test_sighup_applies_each_section_or_names_it_as_needing_restart(tmp_path, mo
     assert len(reloaded) == 2 and set(reloaded[1]["fields"]["needs_restart"]) >= {"listen.port"}
     assert not any(k.startswith("engines") for k in reloaded[1]["fields"]["needs_restart"])
     assert d.sigterm() < STOP_BOUND_S
+
+
+def test_sigterm_during_an_api_apply_blocked_in_the_driver_answers_503_and_says_what_is_left(tmp_path, mount, run):
+    host = SimHost.incident()
+    host.block_writes(XTX_A, "pp_od_clk_voltage")  # the OD store() of the API's apply never returns
+    m = mount(host)
+    port = free_port()
+    token = "t" * 8 + "-stop-test-token-0123456789"
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f"ops: {token}\n")
+    os.chmod(tokens, 0o600)
+    cfg = config(tmp_path, m.mountpoint, port, extra=f"api: {{token_file: {tokens}}}\n")
+    # xtx-a has no profile at start: the only write to it is the API's
+    cfg.write_text(cfg.read_text().replace('match: {bdf: "0000:aa:00.0"}, profile: xtx}', 'match: {bdf: "0000:aa:00.0"}}'))
+    d = run(cfg, port)
+    poll_until(lambda: d.alive() and d.said("READY=1"), 60, "READY=1")
+    out: dict = {}
+
+    def post() -> None:
+        try:
+            r = httpx.post(f"{d.base}/v1/gpus/xtx-a/apply", json={"profile": "xtx", "reason": "stop test"},
+                           headers={"Authorization": f"Bearer {token}"}, timeout=60)
+            out["status"], out["body"] = r.status_code, r.json()
+        except Exception as e:  # noqa: BLE001 - the assertion below names it
+            out["error"] = repr(e)
+
+    import threading
+    t = threading.Thread(target=post)
+    t.start()
+    poll_until(lambda: any(w[1].endswith("/pp_od_clk_voltage") for w in writes_to(m, XTX_A)), 60,
+               "the API's write to xtx-a to block")
+    took = d.sigterm()
+    t.join(30)
+    assert took < STOP_BOUND_S, (took, d.text())
+    # the bug: 500 with a CancelledError; the client must learn the card's state is unknown
+    assert out.get("status") == 503, (out, d.text())
+    detail = out["body"]["detail"]
+    assert "shutting down" in detail and "card state unknown" in detail and "xtx-a" in detail, detail
+    records = [json.loads(line) for line in (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
+    applies = [r for r in records if r.get("what") == "gpu.apply" and r.get("target") == "xtx-a"]
+    assert [r["result"].split(":")[0] for r in applies] == ["started", "interrupted"], applies
+    log = d.text()
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    # what /proc shows: the process waits on the kernel until the driver answers
+    assert "still inside the driver" in log and "pp_od_clk_voltage" in log, log
+    m.host.unblock(XTX_A)
+    assert d.proc.wait(30) == 0

@@ -162,3 +162,18 @@ def test_mixed_host_routes_nvidia_cards_through_nvml_and_the_rest_to_amdgpu():
     assert va.reset(CardTarget("h200", B), "t", "r").readback["power_cap_w"] == 700
     # a simulated tree never reaches for NVML
     assert host_nvidia("/tmp/some-sim-tree") == ([], None)
+
+
+def test_an_index_that_names_another_card_now_writes_nothing_and_names_both():
+    # Card A left (or one appeared before it): index 1 that was A's is B's now. The applier
+    # is handed A's address with the old index; writing there would set the card next
+    # door (INCIDENTS §2: the glob matched one card).
+    nv = FakeNvml(cards())
+    audit: list = []
+    r = applier(nv, audit).apply(1, "gpu0", A, "quiet", Profile(power_cap_w=450), "test", "boot")
+    assert r.result == "error" and not r.verified, r
+    assert A in r.message and B in r.message, r.message
+    assert nv.writes == []
+    assert [a for a in audit if a.get("action") == "write"] == []
+    r = applier(nv, audit).reset(1, "gpu0", A, "test", "reset")
+    assert r.result == "error" and nv.writes == [] and not any(a.get("action") == "write" for a in audit)

@@ -105,6 +105,22 @@ def test_every_mutating_route_refuses_without_a_valid_token(api, tokens, headers
     assert list(api.audit) == []
 
 
+@pytest.mark.parametrize("listen", ["127.0.0.1", "0.0.0.0"])
+def test_open_reads_opens_reads_only_never_a_change(api, listen):
+    # api.open_reads lets a LAN dashboard read without a token; a change must still need one
+    # wherever the daemon listens.
+    api.app.state.policy = AccessPolicy(listen, open_reads=True)
+    r = HTTP.get(api.base + "/v1/status")
+    assert r.status_code == 200, r.text
+    todo = routes(api.app, mutating=True)
+    assert len(todo) >= 6
+    for method, path in todo:
+        r = HTTP.request(method, api.base + fill(path), json=body_for(path))
+        assert r.status_code == 401, (listen, method, path, r.status_code, r.text)
+    assert api.host.mutating_calls() == []
+    assert list(api.audit) == []
+
+
 def test_unauthenticated_beats_a_malformed_body(api):
     # FastAPI's own body parsing would answer 422 before checking the token
     for method, path in routes(api.app, mutating=True):

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from service.failsafe_harness import GuardProcess, XTX, can_mount, config_text, fill, od_file, sim_root, tmpfs
@@ -62,6 +64,51 @@ def test_full_state_dir_refuses_the_apply_and_leaves_the_card_alone(tmp_path, re
             assert r.status_code in (200, 409), r.text
             assert od.read_bytes() != before
             assert '"result": "started"' in (state / "audit.jsonl").read_text()
+        finally:
+            d.stop()
+
+
+@needs_mount
+def test_an_apply_goes_ahead_only_with_room_for_its_whole_audit_trail(tmp_path, make_token_file, tokens, wait):
+    # Seen on a 3 MiB state folder, filled: applies answered 200 and wrote the card while
+    # every record after "started" failed with ENOSPC — and the next apply went through too.
+    root = sim_root(tmp_path)
+    od = od_file(root)
+    stock = od.read_bytes()  # a plain tree has no driver: the test puts the table back after each apply
+    token_file = make_token_file(tmp_path / "tokens")
+    with tmpfs(tmp_path / "state", size="256k") as state:
+        cfg = tmp_path / "gpuguard.yaml"
+        cfg.write_text(config_text(state, tmp_path, token_file).replace(
+            "quiet: {power_cap_w: 250}", "quiet: {sclk_max_mhz: 2000}\n  fast: {sclk_max_mhz: 2100}"))
+        d = GuardProcess(cfg, root)
+        try:
+            base = d.find_base(wait)
+
+            def apply(profile: str, why: str) -> httpx.Response:
+                return httpx.post(base + "/v1/gpus/xtx-0/apply", json={"profile": profile, "reason": why},
+                                  headers={"Authorization": f"Bearer {tokens['alice']}"}, timeout=30)
+
+            assert apply("quiet", "first").status_code in (200, 409)
+            od.write_bytes(stock)
+            fill(state)  # the folder fills between two changes
+            # this change started with its reserve held: its whole trail is written
+            r = apply("fast", "second")
+            assert r.status_code in (200, 409), r.text
+            after_second = od.read_bytes()
+            assert b"2100" in after_second, r.text
+            records = [json.loads(line) for line in (state / "audit.jsonl").read_text().splitlines()]
+            second = [r for r in records if r["why"] == "second"]
+            assert second[0]["result"] == "started" and second[-1]["what"] == "gpu.apply" \
+                and second[-1]["result"] != "started", second
+            assert any(r["what"] == "profile_write" and r["evidence"].get("value", "").endswith("2100")
+                       for r in records), "the write itself was not audited"
+            assert not d.log_has("audit record not written")
+            od.write_bytes(stock)
+            # the reserve is spent and cannot be had again: no change
+            r = apply("quiet", "third")
+            assert r.status_code == 503, r.text
+            assert "audit trail" in r.json()["detail"] and "nothing was changed" in r.json()["detail"], r.text
+            assert od.read_bytes() == stock, "the card was written without room for its audit trail"
         finally:
             d.stop()
 

@@ -1,9 +1,10 @@
 """One mutating API call, audited whatever happens: the record is written and fsynced
 before the action acts (no record, no action: 503, an alert, and nothing reaches the
-provider), and its outcome is recorded after — ok, refused (409), unknown (404) or failed
-(500) — with the token's name, the reason from the body and the evidence."""
+provider), and its outcome is recorded after — ok, refused (409), unknown (404), failed
+(500) or interrupted by the daemon's stop (503) — with the token's name, the reason from the body and the evidence."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -57,6 +58,15 @@ async def audited(
     except LookupError as e:
         _audit(request, what, caller, ctx, f"unknown: {e}")
         raise HTTPException(404, detail=str(e)) from None
+    except asyncio.CancelledError:
+        # SIGTERM while the action waits on a card or a process: the client must not get a
+        # bare 500, and the audit log must not end at "started".
+        unknown = "card state unknown, re-read it (gpuguard status)" if what.startswith("gpu.") else \
+            "its outcome is unknown, re-read it (gpuguard engines)"
+        msg = f"gpuguard is shutting down: {what} on {ctx.target} not finished: {unknown}"
+        log.warning("api action=%s target=%s who=%s interrupted by shutdown", what, ctx.target, caller.who)
+        _audit(request, what, caller, ctx, f"interrupted: {msg}")
+        raise HTTPException(503, detail=msg) from None
     except Exception as e:
         log.error("api action=%s target=%s who=%s failed: %s: %s", what, ctx.target, caller.who, type(e).__name__, e)
         _audit(request, what, caller, ctx, f"failed: {type(e).__name__}: {e}")

@@ -5,7 +5,10 @@ takes the host down (INCIDENTS §2: a power trip; §10: no BMC) gets the old sta
 without touching the machine. (LACT does the same with a fixed 5 s.)
 
 A second apply while a window is open keeps the state from before the *first* one, so
-the revert always returns to the last confirmed state.
+the revert always returns to the last confirmed state. Applies to one GPU take `sequence`
+from reading the state before to opening the window, and a revert takes it too: 24
+concurrent applies each read "the state before" while the others were writing, and the
+revert put back one of the unconfirmed profiles.
 """
 from __future__ import annotations
 
@@ -49,6 +52,11 @@ class ConfirmWindows:
         self.audit = audit
         self._restore = restore  # looked up at revert time: providers may register late
         self.pending: dict[str, PendingApply] = {}
+        self._sequences: dict[str, asyncio.Lock] = {}
+
+    def sequence(self, gpu: str) -> asyncio.Lock:
+        """Held by an apply from reading the state before to opening its window, and by a revert."""
+        return self._sequences.setdefault(gpu, asyncio.Lock())
 
     def state_before(self, gpu: str) -> Any | None:
         """The state a revert would restore if a window is already open for `gpu`."""
@@ -85,9 +93,13 @@ class ConfirmWindows:
 
     async def _expire(self, p: PendingApply) -> None:
         await asyncio.sleep(p.seconds)
-        if self.pending.get(p.gpu) is not p:
-            return
-        del self.pending[p.gpu]
+        async with self.sequence(p.gpu):
+            if self.pending.get(p.gpu) is not p:
+                return
+            del self.pending[p.gpu]
+            await self._revert(p)
+
+    async def _revert(self, p: PendingApply) -> None:
         why = f"profile {p.profile!r} was not confirmed within {p.seconds:g} s"
         restore = self._restore()
         result: Any = None

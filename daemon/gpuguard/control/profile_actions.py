@@ -36,6 +36,11 @@ class ProfileActions:
         finally:
             self.rt.busy.discard(target.bdf)
         self.rt.record(r)
+        # The GPU's state says whether its card holds its configured profile now, read back:
+        # an API apply of another profile makes it unverified, a revert to it verified again.
+        s = self.rt.gpus.get(target.bdf)
+        if s is not None and s.profile is not None and r.result != "dry-run":
+            self.rt.gpus.card_holds(target.bdf, r.verified and r.profile == s.profile)
         if not r.verified:
             raise ActionRefused(f"{r.gpu}: {r.result}: {r.message}")
         return r
@@ -59,15 +64,20 @@ class ProfileActions:
             reading = await self.rt.calls.run(self.rt.applier.read, target, timeout=self.rt.cfg.apply.timeout_seconds)
         except NvmlRevertUnsupported as e:
             raise ActionRefused(str(e)) from None
-        values = {k: v for k, v in reading.values().items() if k in SETTINGS or k == "performance_level"}
+        values: dict[str, Any] = {k: v for k, v in reading.values().items() if k in SETTINGS or k == "performance_level"}
+        # the profile those values are (None: stock or not known), so a revert says what it restored
+        values["profile"] = self.rt.ledger.profile_in_effect(target.name)[1]
         return values
 
     async def restore_state(self, gpu: str, state: dict[str, Any]) -> dict[str, Any]:
         target = self._target(gpu)
+        values = {k: v for k, v in state.items() if k != "profile"}
         # The state was read from this card: its own values are inside its ranges, and a
         # positive voltage offset there was already the card's (not a new overvolt).
-        profile = Profile(**state, allow_overvolt=state.get("vddgfx_offset_mv", 0) > 0)
-        r = await self._run(self.rt.applier.apply, target, "restore", profile, "policy:confirm-window", "not confirmed in time: revert")
+        profile = Profile(**values, allow_overvolt=values.get("vddgfx_offset_mv", 0) > 0)
+        # recorded under the name of the profile those values were ("restore" when not known)
+        name = state.get("profile") or "restore"
+        r = await self._run(self.rt.applier.apply, target, name, profile, "policy:confirm-window", "not confirmed in time: revert")
         return r.to_dict()
 
     def profiles(self) -> list[dict[str, Any]]:

@@ -78,20 +78,21 @@ async def post_apply(gpu: str, request: Request, caller: Caller = Depends(requir
             raise HTTPException(422, detail=[{"loc": ["body", "profile"], "msg": f"no profile named {body.profile!r}",
                                               "type": "value_error"}])
         (apply,) = need(acts, "apply_profile")
-        state = None
-        if body.confirm_within is not None:
-            snapshot_state, _ = need(acts, "snapshot_state", "restore_state")
-            state = confirm.state_before(name)
-            if state is None:
-                state = await _call(snapshot_state, name, blocking=True)
-            ctx.evidence["state_before"] = state
-        ctx.before_act()
-        result = await _call(apply, name, body.profile, caller.who, blocking=True)
-        pending = None
-        if body.confirm_within is not None:
-            pending = confirm.open(name, body.profile, caller.who, state, body.confirm_within).to_dict()
-        elif confirm.has(name):
-            confirm.confirm(name)  # an apply without a window is itself a confirmation
+        async with confirm.sequence(name):  # the state before is read with no other apply between
+            state = None
+            if body.confirm_within is not None:
+                snapshot_state, _ = need(acts, "snapshot_state", "restore_state")
+                state = confirm.state_before(name)
+                if state is None:
+                    state = await _call(snapshot_state, name, blocking=True)
+                ctx.evidence["state_before"] = state
+            ctx.before_act()
+            result = await _call(apply, name, body.profile, caller.who, blocking=True)
+            pending = None
+            if body.confirm_within is not None:
+                pending = confirm.open(name, body.profile, caller.who, state, body.confirm_within).to_dict()
+            elif confirm.has(name):
+                confirm.confirm(name)  # an apply without a window is itself a confirmation
         return result, pending
 
     return await audited(request, caller, "gpu.apply", ctx, run)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
 import queue
 import threading
 from typing import Any, Callable
@@ -33,6 +34,7 @@ class DeviceCalls:
         self._closed = False
         self.started = 0  # worker threads started so far
         self._local = threading.local()  # the abandon flag of the call this worker runs
+        self._running: dict[int, str] = {}  # kernel thread id -> the worker's name, while it runs a call
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -58,6 +60,7 @@ class DeviceCalls:
             self._local.abandon = fut.abandon
             with self._lock:
                 self._busy += 1
+                self._running[threading.get_native_id()] = threading.current_thread().name
             ok, value = False, None
             try:
                 if fut.set_running_or_notify_cancel():
@@ -71,6 +74,7 @@ class DeviceCalls:
                 # second thread that then takes turns with this one
                 with self._lock:
                     self._busy -= 1
+                    self._running.pop(threading.get_native_id(), None)
                     closed = self._closed
                     if not closed:
                         self._idle += 1
@@ -105,6 +109,15 @@ class DeviceCalls:
         with self._lock:
             return self._busy
 
+    def in_kernel(self) -> list[str]:
+        """What each call still running is waiting on, as /proc shows it: the thread's
+        state (D: uninterruptible, inside the driver) and the file of the read or write it
+        is in. A thread in a device call cannot be ended from user space — not by a signal,
+        not by SIGKILL — until the driver returns, so the process stays in /proc until then."""
+        with self._lock:
+            running = dict(self._running)
+        return [f"{name}: {_waiting_on(tid)}" for tid, name in sorted(running.items())]
+
     def close(self) -> None:
         """No new calls; idle workers end; stuck ones are abandoned (daemon threads)."""
         with self._lock:
@@ -112,3 +125,26 @@ class DeviceCalls:
             idle, self._idle = self._idle, 0
         for _ in range(idle):
             self._q.put(None)
+
+
+def _waiting_on(tid: int, proc: str = "/proc/self/task") -> str:
+    """`state D, in write on /sys/.../pp_od_clk_voltage` from /proc/self/task/<tid>/{stat,syscall}."""
+    task = f"{proc}/{tid}"
+    try:
+        with open(f"{task}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "ended"
+    what = f"state {state}"
+    try:
+        with open(f"{task}/syscall") as f:
+            fields = f.read().split()
+    except OSError:
+        fields = []
+    # the first argument of read/write/pread/pwrite is the file descriptor on every architecture
+    if len(fields) > 1 and fields[0].isdigit() and fields[1].startswith("0x"):
+        try:
+            what += f", in a read or write of {os.readlink(f'/proc/self/fd/{int(fields[1], 16)}')}"
+        except OSError:
+            what += f", in system call {fields[0]}"
+    return what

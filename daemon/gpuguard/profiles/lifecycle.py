@@ -18,6 +18,7 @@ card stays pending.
 from __future__ import annotations
 
 import asyncio
+import collections
 import atexit
 import logging
 import threading
@@ -43,6 +44,27 @@ log = logging.getLogger("gpuguard.profiles")
 VIEW = "profiles"
 
 
+class Busy:
+    """The cards with an apply queued or running, counted: two API applies to one card
+    queue on the card lock, and the first to finish must not mark the card idle while the
+    second writes (the drift check read the second's values against the first's result and
+    re-applied the configured profile in the middle of a confirm window)."""
+
+    def __init__(self) -> None:
+        self._n: collections.Counter[str] = collections.Counter()
+
+    def add(self, bdf: str) -> None:
+        self._n[bdf] += 1
+
+    def discard(self, bdf: str) -> None:
+        self._n[bdf] -= 1
+        if self._n[bdf] <= 0:
+            del self._n[bdf]
+
+    def __contains__(self, bdf: object) -> bool:
+        return bdf in self._n
+
+
 class ProfileRuntime:
     def __init__(self, cfg: ProfilesConfig, gpus: GpuStates, hub: Hub, root: SysfsRoot,
                  discover: Callable[[], Awaitable[Any]] | None = None, applier: Applier | None = None,
@@ -65,7 +87,7 @@ class ProfileRuntime:
         self.clock_conditions = Conditions(raise_after=2, clear_after=1)
         self.ready = False
         self.safe = False
-        self.busy: set[str] = set()  # bdfs with an apply queued or running
+        self.busy = Busy()  # bdfs with an apply queued or running
         self._lock: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -165,9 +187,11 @@ class ProfileRuntime:
                 log.info("gpu=%s bdf=%s was reset or came back during the apply: still pending", r.gpu, r.bdf)
         self._set_view()
 
-    async def apply_one(self, bdf: str, who: str, why: str) -> CardResult | None:
-        """Apply the card's assigned profile (from the GPU state) and verify it."""
-        self.busy.add(bdf)
+    async def apply_one(self, bdf: str, who: str, why: str, queued: bool = False) -> CardResult | None:
+        """Apply the card's assigned profile (from the GPU state) and verify it. `queued`:
+        the caller marked the card busy when it spawned this (no second apply queued behind it)."""
+        if not queued:
+            self.busy.add(bdf)
         try:
             s = self.gpus.get(bdf)
             if s is None or s.profile is None or not self.gpus.may_write(bdf):
@@ -231,7 +255,7 @@ class ProfileRuntime:
             if s.bdf in self.busy:
                 continue
             self.busy.add(s.bdf)
-            self._spawn(self.apply_one(s.bdf, "policy", f"GPU {s.name}: {s.pending_why or 'profile pending'}"))
+            self._spawn(self.apply_one(s.bdf, "policy", f"GPU {s.name}: {s.pending_why or 'profile pending'}", queued=True))
 
     def on_cycle(self, snap: Any) -> None:
         if self.ready and not self.safe:
@@ -279,7 +303,7 @@ class ProfileRuntime:
                                 fields={"drift": {k: [w, n] for k, (w, n) in d.items()}}))
             self.gpus.set_pending(g.bdf, f"drift: {what}")
             self.busy.add(g.bdf)
-            self._spawn(self.apply_one(g.bdf, "policy", f"drift: {what}"))
+            self._spawn(self.apply_one(g.bdf, "policy", f"drift: {what}", queued=True))
 
     def status_note(self) -> str:
         if self.ledger.safe_mode:

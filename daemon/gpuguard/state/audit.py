@@ -15,6 +15,7 @@ records (`{"action": "write", "who", "why", "gpu", "bdf", "file", "value", ...}`
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import logging
 import os
@@ -25,6 +26,11 @@ from typing import Any, Iterator
 log = logging.getLogger("gpuguard.audit")
 
 AUDIT_FILE = "audit.jsonl"
+# Space held on disk for the records that follow a change's "started" record (each write,
+# its read back, the outcome): an apply of a few cards with retries writes ~25 KiB. The
+# record written before a change tops this up first, so a change starts only with room
+# for its whole trail; records that meet a full disk are written into it.
+RESERVE_BYTES = 64 * 1024
 # the fields of a flat profile record that are the audit record's own; the rest is evidence
 _PROFILE_TOP = ("action", "who", "why", "gpu", "result")
 
@@ -88,23 +94,77 @@ class AuditLog:
         line = (json.dumps(rec, sort_keys=True, ensure_ascii=True) + "\n").encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # O_NONBLOCK: a FIFO planted at this path must not wedge the event loop.
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
-            try:
-                os.write(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if required:
+                self._hold_reserve()
+            self._append(line)
         except OSError as e:
             log.error("audit record not written path=%s error=%s record=%s", self.path, e.strerror, line.decode().strip())
             if self.health is not None:
                 self.health.failed(str(self.path), e)
             if required:
-                raise AuditUnavailable(f"audit record not written to {self.path}: {e.strerror or e}") from None
+                why = (f"no room for the change's audit trail ({RESERVE_BYTES // 1024} KiB held in {self._reserve}): "
+                       if getattr(e, "filename", None) == str(self._reserve) else "")
+                raise AuditUnavailable(f"audit record not written to {self.path}: {why}{e.strerror or e}") from None
             return rec
         if self.health is not None:
             self.health.succeeded()
         return rec
+
+    @property
+    def _reserve(self) -> Path:
+        return self.path.with_name(self.path.name + ".reserve")
+
+    def _hold_reserve(self) -> None:
+        """Top the reserve file up to RESERVE_BYTES of allocated blocks (not a hole);
+        OSError naming the reserve file when the disk cannot give them."""
+        fd = os.open(self._reserve, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        try:
+            if os.fstat(fd).st_blocks * 512 < RESERVE_BYTES:
+                try:
+                    os.posix_fallocate(fd, 0, RESERVE_BYTES)
+                except OSError as e:
+                    raise OSError(e.errno, e.strerror, str(self._reserve)) from None
+        finally:
+            os.close(fd)
+
+    def _release(self, need: int) -> bool:
+        """Give `need` bytes (and a page more) of the reserve back to the disk; False when
+        nothing is left to give."""
+        try:
+            fd = os.open(self._reserve, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return False
+            os.ftruncate(fd, max(0, size - (need // 4096 + 2) * 4096))
+            return True
+        finally:
+            os.close(fd)
+
+    def _append(self, line: bytes) -> None:
+        """One whole line or an OSError: a write cut short by a full disk goes on from the
+        reserve; when even that is spent the cut line is taken back, so the log never
+        holds half a record."""
+        # O_NONBLOCK: a FIFO planted at this path must not wedge the event loop.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        try:
+            rest = memoryview(line)
+            while rest:
+                try:
+                    rest = rest[os.write(fd, rest):]
+                except OSError as e:
+                    if e.errno == errno.ENOSPC and self._release(len(rest)):
+                        continue
+                    written = len(line) - len(rest)
+                    if written and os.fstat(fd).st_mode & 0o170000 == 0o100000:
+                        # O_APPEND: our bytes are the file's last ones
+                        os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_END) - written)
+                    raise
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def profile_record(self, record: dict[str, Any]) -> None:
         """One flat record of the profile applier (the `audit` callable it is given)."""

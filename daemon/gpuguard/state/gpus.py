@@ -385,6 +385,14 @@ class GpuStates:
         self._gpus[bdf] = replace(s, profile_state="verified" if verified else "unverified")
         return True
 
+    def card_holds(self, bdf: str, assigned: bool) -> None:
+        """An apply outside the GPU's own (the API's, a confirm window's revert) read back:
+        `assigned` says whether the card now holds its configured profile."""
+        s = self._gpus.get(bdf)
+        if s is None or s.profile is None or s.presence == LOST:
+            return
+        self._gpus[bdf] = replace(s, profile_state="verified" if assigned else "unverified")
+
     def pending(self) -> list[GpuState]:
         return [s for s in self.all() if s.profile_state == "pending" and self.may_write(s.bdf)]
 
