@@ -41,7 +41,7 @@ from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
 from gpuguard.policy.pcie_findings import PcieFindings
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app
-from gpuguard.sinks.metrics import MetricsSink, same_objects
+from gpuguard.sinks.metrics import MetricsSink, kernel_log_families, same_objects
 from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.page import mount_page
 from gpuguard.sinks.pcie_metrics import PcieCollector
@@ -282,6 +282,8 @@ class Daemon:
             reader = KmsgReader(kc.kmsg_path, state_file, kc.allow_userspace, batch=kc.batch)
             reader.open()
             self.kmsg_reader = reader
+            # records never read are counted where an alert rule can see them
+            self.metrics.add("kernel_log", lambda: kernel_log_families(reader.stats()))
             # the position is on disk before an alert about a line leaves
             self.webhooks.before_send.append(
                 lambda e: reader.commit(e.fields["seq"]) if e.source == "kernel" and "seq" in e.fields else None

@@ -90,6 +90,17 @@ class KernelEventRouter:
         self._emit(event, match.clears)
         return event
 
+    def handle_lost(self, lost: int, reader: KmsgReader) -> Event:
+        """Records the reader never saw (overwritten in the ring): a hang or AER line among
+        them was never classified, so say so with the count (also on /metrics)."""
+        event = Event(kind="kernel_log_lost", severity="warning", source="kernel",
+                      message=f"{lost} kernel log records lost before gpuguard read them: overwritten "
+                              f"in the kernel's ring while gpuguard was paused or behind "
+                              f"({reader.lost_records} lost since it started)",
+                      fields={"lost": lost, "lost_total": reader.lost_records, "overruns": reader.overruns})
+        self._record(event)
+        return event
+
     def handle_device(self, dev: DeviceEvent) -> Event | None:
         """A udev event. A GPU's `remove` is `gpu_lost`; `add`/`bind` is an appearance
         (discovery, profile apply); everything else passes through to `on_device_change`."""
@@ -271,6 +282,7 @@ class KernelEventRouter:
 
     # ── running ─────────────────────────────────────────────────────────────────
     async def run_kmsg(self, reader: KmsgReader) -> None:
+        reader.on_lost = lambda lost: self.handle_lost(lost, reader)
         async for record in reader.records():
             try:
                 self.handle_record(record)
