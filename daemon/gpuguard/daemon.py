@@ -190,8 +190,9 @@ class Daemon:
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:
+                # a deleted or replaced file is reopened and said as an event (sinks/recorder.py)
                 self.recorder = FlightRecorder(config.recorder.path, config.recorder.keep_seconds,
-                                               config.recorder.max_bytes)
+                                               config.recorder.max_bytes, publish=self.hub.publish)
             except (OSError, sqlite3.Error) as e:
                 log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
         if self.recorder is not None:
