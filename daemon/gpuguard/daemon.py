@@ -197,6 +197,7 @@ class Daemon:
                 log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
         if self.recorder is not None:
             self.hub.on_event(self.recorder.add_event)  # written with the cycle's samples
+            self.hub.on_revise(self.recorder.revise_event)
             self.metrics.add("recorder", self.recorder.collect)
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
@@ -276,6 +277,7 @@ class Daemon:
             debounce_s=kc.action_debounce_seconds,
             recover_settle_s=kc.recover_settle_seconds,
             on_event=self._kernel_event,
+            on_revise=self.hub.revise,  # a repeated line counted into its event
             states=self.gpus,
         )
         state_file = kc.state_file or os.path.join(self.config.state_dir, "kmsg-position.json")

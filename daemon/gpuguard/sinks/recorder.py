@@ -257,6 +257,29 @@ class FlightRecorder:
                 return
             self._backlog.append(event)
 
+    def revise_event(self, old: Event, new: Event) -> None:
+        """`new` replaces `old` (state/hub.py `revise`): in the backlog while it waits there,
+        else its row is updated in the next transaction's place (any thread; never blocks)."""
+        with self._backlog_lock:
+            for i in range(len(self._backlog) - 1, -1, -1):
+                if self._backlog[i] is old:
+                    self._backlog[i] = new
+                    return
+        (row,) = self.event_rows([new])
+        self._pool.submit(self._update_event, (old.time, old.kind, old.message), row)
+
+    def _update_event(self, where: tuple, row: tuple) -> None:
+        try:
+            self._check_file()
+            assert self._db is not None
+            with self._db:
+                self._db.execute("UPDATE events SET t=?, kind=?, severity=?, source=?, gpu=?, bdf=?, engine=?, "
+                                 "message=?, fields=? WHERE rowid = (SELECT max(rowid) FROM events "
+                                 "WHERE t = ? AND kind = ? AND message = ?)", (*row, *where))
+        except sqlite3.Error as e:
+            self.failures += 1
+            log.error("recorder update failed path=%s error=%s (failures so far: %d)", self.path, e, self.failures)
+
     def _take_backlog(self) -> list[Event]:
         with self._backlog_lock:
             out = list(self._backlog)
