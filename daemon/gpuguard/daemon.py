@@ -630,6 +630,7 @@ class Daemon:
             await bounded("engine watchdog", self.engines.aclose(), 2.0)
         await bounded("gpu lifecycle", self.lifecycle.aclose(), 1.0)
         if self.recorder is not None:
+            self.recorder.mark_stopped()  # a recording that ends without it was cut short
             self.recorder.close()
         self.profiles.close()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -188,7 +188,7 @@ def mount_page(app: Api, recorder: Callable[[], FlightRecorder | None]) -> None:
         rec = recorder()
         if rec is None:
             raise HTTPException(501, detail="the flight recorder is off (recorder.enabled: false): no history")
-        return FlightLog(rec.query, rec.path)
+        return FlightLog(rec.query, rec.path, live=True)  # this daemon writes it
 
     def index(request: Request) -> Response:
         return Response(_index_html(), media_type="text/html; charset=utf-8",

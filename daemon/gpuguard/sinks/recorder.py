@@ -21,6 +21,10 @@ after it was lost without a word. Now the recording is reopened as a new file at
 path, counted (`gpuguard_recorder_file_lost_total`) and said in a `recorder_file_lost`
 event (handed to `publish` on the caller's thread at the next `record()`).
 
+A clean stop ends the recording with a `recording_stopped` event (`mark_stopped`): a
+recording that ends without one was cut short (SIGKILL, a crash, a PSU trip), and the
+default report is about that moment (report/make.py).
+
 A report that must see an event reads after the transaction that holds it: `record()`
 returns that transaction's future; `flush()` waits for everything handed in so far.
 """
@@ -314,6 +318,11 @@ class FlightRecorder:
                     self._power_rows.setdefault(table, []).extend(rows)
             return None
         return self._pool.submit(self._write, [], [], [], power)
+
+    def mark_stopped(self, why: str = "gpuguard stopped") -> None:
+        """End the recording cleanly: the marker goes in with what still waits (close())."""
+        self.add_event(Event("recording_stopped", "info", "recorder",
+                             f"{why} cleanly: the recording ends here", fields={"path": self.path}))
 
     def flush(self) -> None:
         """Wait until everything handed in so far is committed (or counted failed)."""
