@@ -7,12 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import sqlite3
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -20,9 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.kernel.kmsg import KmsgReader
+from service.failsafe_harness import GuardProcess
 from support import poll_until
 
-REPO = Path(__file__).resolve().parents[2]
 # a real corrected-AER line (reference/kmsg/lines.jsonl), one record per write
 AER = "<4>pcieport 0000:00:1d.0: AER: Multiple Corrected error received: id=00e8 {tag} {i}"
 
@@ -48,7 +44,7 @@ def _record_per_read(reader: KmsgReader) -> KmsgReader:
     return reader
 
 
-class _Daemon:
+class _Daemon(GuardProcess):
     """`gpuguard run` as a real process on an empty hardware tree, reading the real
     /dev/kmsg (user-space records allowed: the test writes them)."""
 
@@ -58,18 +54,11 @@ class _Daemon:
         (tmp / "sys").mkdir()
         cfg = tmp / "gpuguard.yaml"
         cfg.write_text(
-            f"state_dir: {state}\nrecorder: {{path: {state}/flight.sqlite}}\n"
+            f"state_dir: {state}\nrecorder: {{path: {self.recording}}}\n"
             "listen: {address: 127.0.0.1, port: 0}\npoll: {interval_seconds: 0.5}\n"
             "kernel: {allow_userspace: true, udev: false}\n")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuguard", "run", "--config", str(cfg), "--sysfs-root", str(tmp / "sys")],
-            env=dict(os.environ, PYTHONPATH=str(REPO / "daemon")), stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(l.rstrip() for l in self.proc.stderr), daemon=True).start()
-        line = poll_until(lambda: [l for l in self.lines if "metrics at http://" in l], timeout=60,
-                          what="the daemon's ready line")[0]
-        self.base = re.search(r"(http://[0-9.]+:[0-9]+)/metrics", line).group(1)
+        super().__init__(cfg, tmp / "sys")
+        self.find_base(poll_until, timeout=60)
 
     def value(self, name: str, **labels) -> float | None:
         for fam in text_string_to_metric_families(httpx.get(f"{self.base}/metrics", timeout=5).text):
@@ -88,15 +77,10 @@ class _Daemon:
             db.close()
         return [{"severity": sev, "message": msg, "fields": json.loads(f)} for sev, msg, f in rows]
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process would not see SIGTERM
+        return super().stop()
 
 
 @pytest.mark.slow
