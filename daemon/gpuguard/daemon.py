@@ -41,7 +41,7 @@ from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
 from gpuguard.policy.pcie_findings import PcieFindings
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app
-from gpuguard.sinks.metrics import MetricsSink, same_objects
+from gpuguard.sinks.metrics import MetricsSink, kernel_log_families, same_objects
 from gpuguard.sinks.notifier import WebhookNotifier, redact_url
 from gpuguard.sinks.page import mount_page
 from gpuguard.sinks.pcie_metrics import PcieCollector
@@ -190,12 +190,14 @@ class Daemon:
         self.recorder: FlightRecorder | None = None
         if config.recorder.enabled:
             try:
+                # a deleted or replaced file is reopened and said as an event (sinks/recorder.py)
                 self.recorder = FlightRecorder(config.recorder.path, config.recorder.keep_seconds,
-                                               config.recorder.max_bytes)
+                                               config.recorder.max_bytes, publish=self.hub.publish)
             except (OSError, sqlite3.Error) as e:
                 log.error("flight recorder disabled: cannot open path=%s error=%s", config.recorder.path, e)
         if self.recorder is not None:
             self.hub.on_event(self.recorder.add_event)  # written with the cycle's samples
+            self.hub.on_revise(self.recorder.revise_event)
             self.metrics.add("recorder", self.recorder.collect)
         self.hub.on_event(self._log_event)
         self.engines: EngineWatchdog | None = None
@@ -275,6 +277,7 @@ class Daemon:
             debounce_s=kc.action_debounce_seconds,
             recover_settle_s=kc.recover_settle_seconds,
             on_event=self._kernel_event,
+            on_revise=self.hub.revise,  # a repeated line counted into its event
             states=self.gpus,
         )
         state_file = kc.state_file or os.path.join(self.config.state_dir, "kmsg-position.json")
@@ -282,6 +285,8 @@ class Daemon:
             reader = KmsgReader(kc.kmsg_path, state_file, kc.allow_userspace, batch=kc.batch)
             reader.open()
             self.kmsg_reader = reader
+            # records never read are counted where an alert rule can see them
+            self.metrics.add("kernel_log", lambda: kernel_log_families(reader.stats()))
             # the position is on disk before an alert about a line leaves
             self.webhooks.before_send.append(
                 lambda e: reader.commit(e.fields["seq"]) if e.source == "kernel" and "seq" in e.fields else None
@@ -625,6 +630,7 @@ class Daemon:
             await bounded("engine watchdog", self.engines.aclose(), 2.0)
         await bounded("gpu lifecycle", self.lifecycle.aclose(), 1.0)
         if self.recorder is not None:
+            self.recorder.mark_stopped()  # a recording that ends without it was cut short
             self.recorder.close()
         self.profiles.close()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

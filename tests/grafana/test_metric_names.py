@@ -36,6 +36,9 @@ EXTRA_NAMES = {
     # Stall episodes (issue 21, engines/metrics.py): with `action: kill` the stalled gauge is 1
     # for ~50 ms, never scraped; GpuguardEngineStalled reads this counter too.
     "gpuguard_engine_stalls_total",
+    # The kernel log reader's losses (sinks/metrics.py kernel_log_families): records
+    # overwritten in the ring before gpuguard read them; GpuguardKernelLogLost reads it.
+    "gpuguard_kernel_log_records_lost_total",
 }
 # METRICS.md metrics the dashboard deliberately leaves out, and why.
 NOT_ON_DASHBOARD = {

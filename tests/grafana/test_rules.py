@@ -16,6 +16,7 @@ CONTRACT_ALERTS = {
     "GpuguardGpuHang",
     "GpuguardGpuDeviceLost",
     "GpuguardGpuResetFailed",
+    "GpuguardKernelLogLost",  # kernel log records overwritten before gpuguard read them
     "GpuguardPcieLinkDowngraded",
     "GpuguardPcieUncorrectableErrors",
     "GpuguardProfileUnverified",

@@ -48,6 +48,7 @@ def test_utf8_arrives_escaped_and_is_decoded():
     (b"6,1;short header", "PRI,SEQ,USEC,FLAGS"),
     (b"x,1,2,-;text", "not numbers"),
     (b"-6,1,2,-;text", "negative"),
+    (b"6,18446744073709551616,2,-;text", "beyond the kernel's u64"),
 ])
 def test_malformed_records_raise_a_clear_error(raw, needle):
     with pytest.raises(KmsgFormatError, match=needle):

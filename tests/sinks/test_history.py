@@ -131,3 +131,26 @@ def test_page_assets_are_named_by_content_so_a_reload_fetches_neither(tmp_path):
         assert c.get(f"/page/{name}").headers["cache-control"] == "no-cache"
         assert c.get(f"/page/{name}?v=0123456789abcdef").headers["cache-control"] == "no-cache"
     rec.close()
+
+
+def test_report_moments_that_are_no_time_are_refused_with_the_reason(tmp_path):
+    """`?at=nan`, `inf`, ±1e308 answered 500 (time.localtime raised): 422 naming `at`,
+    on the routes that need no token on loopback; history's bounds likewise."""
+    r = incident_1(str(tmp_path / "f.sqlite"), time.time() - 400, FlightRecorder)
+    rec = FlightRecorder(r.path)
+    hub = Hub()
+    app = build_app(hub, MetricsSink(hub))
+    mount_page(app, lambda: rec)
+    c = TestClient(app, raise_server_exceptions=False)
+    for bad in ("nan", "inf", "-inf", "1e308", "-1e308"):
+        for path in ("/report", "/report.png"):
+            got = c.get(path, params={"at": bad})
+            assert got.status_code == 422, (path, bad, got.status_code, got.text[:200])
+            (detail,) = got.json()["detail"]
+            assert detail["loc"] == ["query", "at"] and detail["msg"], (path, bad)
+        for key in ("since", "until"):
+            got = c.get("/v1/history", params={key: bad})
+            assert got.status_code == 422, (key, bad, got.status_code)
+            assert got.json()["detail"][0]["loc"] == ["query", key]
+    assert c.get("/report", params={"at": r.focus}).status_code == 200  # a real moment still works
+    rec.close()

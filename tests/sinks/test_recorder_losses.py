@@ -100,3 +100,44 @@ def test_max_bytes_bounds_the_database_by_pruning_the_oldest(tmp_path):
         assert os.stat(rec.path).st_size < 3 << 20
     finally:
         rec.close()
+
+
+def test_a_deleted_recording_is_reopened_counted_and_said(tmp_path):
+    """flight.sqlite and its WAL deleted under the running recorder: writes went on into the
+    unlinked inode, nothing counted, `gpuguard record` said "not found". The rows after it
+    are in a new file at the path, the loss is counted and a `recorder_file_lost` event
+    goes to `publish` (and from there, as the hub does, back into the recording)."""
+    import sqlite3
+
+    path = tmp_path / "flight.sqlite"
+    published: list[Event] = []
+    rec = FlightRecorder(str(path), publish=lambda e: (published.append(e), rec.add_event(e)))
+    try:
+        rec.record(snap(1e9)).result()
+        for suffix in ("", "-wal", "-shm"):
+            (tmp_path / f"flight.sqlite{suffix}").unlink(missing_ok=True)
+        rec.record(snap(1e9 + 1)).result()
+        rec.record(snap(1e9 + 2), events=[Event("gpu_hang", "critical", "kernel", "after the delete")]).result()
+        assert path.exists(), "the recording was not reopened at its path"
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            times = [t for (t,) in db.execute("SELECT t FROM samples ORDER BY t")]
+            kinds = {k for (k,) in db.execute("SELECT kind FROM events")}
+        finally:
+            db.close()
+        assert times == [1e9 + 1, 1e9 + 2]
+        assert kinds == {"gpu_hang", "recorder_file_lost"}
+        assert [(e.kind, e.severity, e.fields["what"]) for e in published] == [("recorder_file_lost", "alert", "deleted")]
+        assert str(path) in published[0].message
+        assert rec.files_lost == 1 and rec.failures == 0
+        assert "gpuguard_recorder_file_lost_total 1.0" in scrape(rec)
+        # replaced by another file (a restore, a copy over it): the same
+        other = tmp_path / "other.sqlite"
+        sqlite3.connect(other).close()
+        os.replace(other, path)
+        rec.record(snap(1e9 + 3)).result()
+        rec.record(snap(1e9 + 4)).result()
+        assert rec.files_lost == 2 and published[-1].fields["what"] == "replaced by another file"
+        assert rec.query("SELECT t FROM samples ORDER BY t") == [(1e9 + 3,), (1e9 + 4,)]
+    finally:
+        rec.close()

@@ -11,7 +11,14 @@ Reading rules (Documentation/ABI/testing/dev-kmsg):
   reboot (sequence numbers restart at 0) is noticed;
 - records come in bounded batches with a yield to the loop between them: a 10 000-line
   flood never freezes the poller (node-problem-detector's reader died silently under
-  floods; bench/kmsg_burst.py measures it).
+  floods; bench/kmsg_burst.py measures it);
+- records the reader never saw (overwritten in the ring while it was paused or behind) are
+  counted and reported through `on_lost` with the count; no read size avoids that loss:
+  the device hands out one record per read() whatever the buffer, and what the kernel
+  overwrote while gpuguard was not running is gone (only `log_buf_len=` keeps more);
+- a sequence number no kernel can have (above u64, or more records than the kernel can
+  have logged since boot) is a malformed record: never handed out, never saved as the
+  position (a bogus one made the next start skip every record of its run).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import logging
 import math
 import os
 import re
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +47,12 @@ log = logging.getLogger(__name__)
 READ_SIZE = 16384
 READ_SIZE_MAX = 1 << 20
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
+SEQ_MAX = 2**64 - 1  # the kernel's record sequence number is a u64
+# printk stores a record in about a microsecond at best: ten million a second since boot is
+# more than any kernel logs, so a sequence number above that cannot be this kernel's.
+MAX_RECORDS_PER_SECOND = 10_000_000
+# a loss while the reader stays behind is reported at most this often (the counter always)
+LOST_REPORT_EVERY = 30.0
 
 _ESCAPE_RE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
@@ -112,6 +126,8 @@ def parse_record(line: bytes) -> KmsgRecord:
         raise KmsgFormatError(f"kmsg header fields are not numbers: {head[:60]!r}") from None
     if pri < 0 or seq < 0:
         raise KmsgFormatError(f"kmsg header has negative PRI/SEQ: {head[:60]!r}")
+    if seq > SEQ_MAX:
+        raise KmsgFormatError(f"kmsg sequence number {seq} is beyond the kernel's u64: {head[:60]!r}")
     flags = parts[3].decode("ascii", "replace")
     caller = None
     for extra in parts[4:]:
@@ -133,6 +149,13 @@ def parse_record(line: bytes) -> KmsgRecord:
     )
 
 
+def seq_ceiling(boottime: float | None = None) -> int:
+    """The highest sequence number this kernel can have reached by now: records are
+    numbered from 0 at boot, at most MAX_RECORDS_PER_SECOND of them a second."""
+    up = time.clock_gettime(time.CLOCK_BOOTTIME) if boottime is None else boottime
+    return min(SEQ_MAX, int((up + 1.0) * MAX_RECORDS_PER_SECOND))
+
+
 def _merge_fragments(parts: list[KmsgRecord]) -> KmsgRecord:
     """Fragments of one continued line (flag `c`/`+`, older kernels) become one record."""
     first = parts[0]
@@ -152,7 +175,9 @@ class KmsgReader:
     `async for rec in reader.records()` or `await reader.run(callback)`. Counters:
     `lost_records` (sequence numbers never seen: overwritten in the ring, or logged while
     gpuguard was stopped and overwritten since), `overruns` (EPIPE returns),
-    `bad_records`, `skipped_userspace`."""
+    `bad_records` (malformed, or a sequence number no kernel can have), `skipped_userspace`.
+    `on_lost(count)`, where set, is called with the records lost since its last call: once
+    the reader has caught up, or every LOST_REPORT_EVERY seconds while it stays behind."""
 
     def __init__(
         self,
@@ -186,6 +211,10 @@ class KmsgReader:
         self.last_seq: int | None = None  # last sequence number read from the ring
         self.done_seq: int | None = None  # last one handed out and handled (what is saved)
         self.start_mode = "unopened"  # "end" (fresh), "resume", "new_boot"
+        self.on_lost: Callable[[int], object] | None = None
+        self._lost_reported = 0
+        self._lost_reported_at = -math.inf
+        self._ceiling = -1  # seq_ceiling() as last computed: recomputed only when passed
         self._fd: int | None = None
         self._read_size = READ_SIZE
         self._skip_upto = -1
@@ -225,6 +254,14 @@ class KmsgReader:
             if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
                 raise ValueError(f"seq {seq!r} is not a non-negative integer")
             boot = data.get("boot_id")
+            if not self._plausible(seq):
+                # Ahead of the log is read as a reboot (see _end_catch_up); beyond any
+                # kernel it cannot be a position: skipping up to it skips the whole run.
+                log.warning("kernel log position %d in %s is beyond what this kernel can have "
+                            "logged (at most %d records since boot): ignoring it, reading the log "
+                            "from its start (the file is rewritten with the new position)",
+                            seq, self.state_file, self._ceiling)
+                return None, -1
             return (boot if isinstance(boot, str) else None), seq
         except (ValueError, KeyError, TypeError) as e:
             log.warning("kernel log state file %s is not gpuguard's JSON {boot_id, seq} (%s); "
@@ -301,9 +338,12 @@ class KmsgReader:
         if state is None:
             self.start_mode = "end"
             self._seek(os.SEEK_END)
+            # the newest record's number: without it an overrun before the first record
+            # read was not counted (a daemon paused right after its start lost 2,288 unsaid)
+            self.last_seq = self._newest_seq()
             return
         saved_boot, seq = state
-        if saved_boot and self._boot_id and saved_boot != self._boot_id:
+        if seq < 0 or (saved_boot and self._boot_id and saved_boot != self._boot_id):
             # A reboot: sequence numbers restarted, everything in the ring is new to us.
             self.start_mode = "new_boot"
             self._seek(os.SEEK_SET)
@@ -316,6 +356,36 @@ class KmsgReader:
         self.last_seq = seq
         self.done_seq = self._saved_seq = seq
         self._catching_up = True
+
+    def _newest_seq(self) -> int | None:
+        """The sequence number of the newest record in the ring, read on a second fd (the
+        device only: a FIFO standing in would lose what this read takes). Records logged
+        meanwhile are also read by the reader's own fd, so none is missed or miscounted."""
+        try:
+            if not stat.S_ISCHR(os.stat(self.path).st_mode):
+                return None
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        newest = None
+        try:
+            while True:
+                try:
+                    data = os.read(fd, self._read_size)
+                except BrokenPipeError:
+                    continue
+                except InterruptedError:
+                    continue
+                except OSError:
+                    break  # EAGAIN: the end
+                if not data:
+                    break
+                head = data.split(b",", 2)
+                if len(head) > 2 and head[1].isdigit() and self._plausible(int(head[1])):
+                    newest = int(head[1])
+        finally:
+            os.close(fd)
+        return newest
 
     def _seek(self, whence: int) -> None:
         assert self._fd is not None
@@ -371,6 +441,8 @@ class KmsgReader:
                 raise KmsgError(e.errno, f"kernel log {self.path}: read failed: {e.strerror}") from None
             if not data:  # a plain file standing in for the device: end of it
                 self._flush_pending(out)
+                if self._end_catch_up():
+                    return out
                 return out or None
             self._take(data, out)
         return out
@@ -383,6 +455,12 @@ class KmsgReader:
             if self.bad_records <= 5 or self.bad_records % 1000 == 0:
                 log.warning("kernel log %s: skipped a malformed record (%d so far): %s",
                             self.path, self.bad_records, e)
+            return
+        if not self._plausible(rec.seq):
+            self.bad_records += 1
+            log.warning("kernel log %s: skipped a record with sequence number %d: more than this "
+                        "kernel can have logged since boot (at most %d); not saved as the position",
+                        self.path, rec.seq, self._ceiling)
             return
         self.records_read += 1
         self._max_seen = max(self._max_seen, rec.seq)
@@ -403,6 +481,25 @@ class KmsgReader:
             return
         self._flush_pending(out)
         out.append(rec)
+
+    def _plausible(self, seq: int) -> bool:
+        if seq <= self._ceiling:
+            return True
+        self._ceiling = seq_ceiling()  # uptime grew since the last look
+        return seq <= self._ceiling
+
+    def _report_lost(self, caught_up: bool) -> None:
+        new = self.lost_records - self._lost_reported
+        if new <= 0 or self.on_lost is None:
+            return
+        now = time.monotonic()
+        if not caught_up and now - self._lost_reported_at < LOST_REPORT_EVERY:
+            return  # still behind a flood: one report for its losses, not one per gap
+        self._lost_reported, self._lost_reported_at = self.lost_records, now
+        try:
+            self.on_lost(new)
+        except Exception:  # noqa: BLE001 - a bad consumer must not stop the reader
+            log.exception("kernel log loss consumer failed")  # pragma: no mutate
 
     def _flush_pending(self, out: list[KmsgRecord]) -> None:
         if self._pending:
@@ -475,8 +572,10 @@ class KmsgReader:
                     upto = self._done_upto()
                     if upto is not None and upto >= 0:
                         self._mark_done(upto)
+                    self._report_lost(caught_up=True)
                     await self._wait_readable()
                     continue
+                self._report_lost(caught_up=False)
                 slice_start = time.monotonic()
                 for rec in batch:
                     yield rec

@@ -8,7 +8,10 @@ The hooks' real implementations live elsewhere (profiles, engine watchdog, notif
 this module only decides when to call them. A hook may be sync or async; one that raises
 is logged and never stops the router. One incident prints many lines (`ring … timeout`,
 `Process information`, `GPU reset begin!`, …): each line is recorded and counted, but a
-hook runs once per GPU and action within `debounce_s`.
+hook runs once per GPU and action within `debounce_s`. The same line again for the same
+GPU within `debounce_s` (INCIDENTS §1: eight `GPU Recovery Failed: -19`) is no new event:
+it is counted, and the event it repeats is revised to carry `count` (handed to
+`on_revise(old, new)`; never published again, so the webhook goes once).
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ class KernelEventRouter:
         debounce_s: float = 30.0,
         recover_settle_s: float = 2.0,
         on_event: Callable[[Event], object] | None = None,
+        on_revise: Callable[[Event, Event], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
         states: GpuStates | None = None,
     ) -> None:
@@ -68,6 +72,9 @@ class KernelEventRouter:
         self.debounce_s = debounce_s
         self.recover_settle_s = recover_settle_s
         self.on_event = on_event
+        self.on_revise = on_revise
+        # (kind, bdf, gpu, text) -> [first seen (clock), the event that stands for them]
+        self._repeats: dict[tuple, list] = {}
         self.clock = clock
         self.events: deque[Event] = deque(maxlen=max_events)
         self.states = states if states is not None else GpuStates()
@@ -88,6 +95,17 @@ class KernelEventRouter:
         if self._seen_elsewhere(event):
             return None  # NVML's event set reported this Xid first
         self._emit(event, match.clears)
+        return event
+
+    def handle_lost(self, lost: int, reader: KmsgReader) -> Event:
+        """Records the reader never saw (overwritten in the ring): a hang or AER line among
+        them was never classified, so say so with the count (also on /metrics)."""
+        event = Event(kind="kernel_log_lost", severity="warning", source="kernel",
+                      message=f"{lost} kernel log records lost before gpuguard read them: overwritten "
+                              f"in the kernel's ring while gpuguard was paused or behind "
+                              f"({reader.lost_records} lost since it started)",
+                      fields={"lost": lost, "lost_total": reader.lost_records, "overruns": reader.overruns})
+        self._record(event)
         return event
 
     def handle_device(self, dev: DeviceEvent) -> Event | None:
@@ -177,12 +195,39 @@ class KernelEventRouter:
                 self.hook_errors += 1
                 log.exception("kernel event sink failed on %s", event.kind)  # pragma: no mutate
 
+    def _repeated(self, event: Event) -> bool:
+        """True when `event` repeats one recorded within debounce_s: that one is revised
+        to count it instead of a new event being recorded."""
+        key = (event.kind, event.bdf, event.gpu, event.message)
+        now = self.clock()
+        held = self._repeats.get(key)
+        if held is None or now - held[0] >= self.debounce_s:
+            if len(self._repeats) >= 1024:  # one entry per distinct line: forget old ones
+                self._repeats = {k: v for k, v in self._repeats.items() if now - v[0] < self.debounce_s}
+            self._repeats[key] = [now, event]
+            return False
+        old = held[1]
+        held[1] = dataclasses.replace(old, fields={**old.fields, "count": old.fields.get("count", 1) + 1,
+                                                   "last_seq": event.fields.get("seq"), "last_time": event.time})
+        for i in range(len(self.events) - 1, -1, -1):
+            if self.events[i] is old:
+                self.events[i] = held[1]
+                break
+        if self.on_revise is not None:
+            try:
+                self.on_revise(old, held[1])
+            except Exception:  # noqa: BLE001
+                self.hook_errors += 1
+                log.exception("kernel event sink failed revising %s", event.kind)  # pragma: no mutate
+        return True
+
     def _emit(self, event: Event, clears: Iterable[str]) -> None:
         if event.alert_grade and event.kind in self.policy and "alert" not in self.policy[event.kind]:
             # `kernel.policy: {gpu_hang: []}` still sent webhooks; the notifier
             # skips events marked so (sinks/alert_gate.py)
             event = dataclasses.replace(event, fields={**event.fields, "alert": False})
-        self._record(event)
+        if not self._repeated(event):
+            self._record(event)
         self.states.kernel_event(event, clears)
         bdf = event.bdf
         for action in self.policy.get(event.kind, ()):
@@ -271,6 +316,7 @@ class KernelEventRouter:
 
     # ── running ─────────────────────────────────────────────────────────────────
     async def run_kmsg(self, reader: KmsgReader) -> None:
+        reader.on_lost = lambda lost: self.handle_lost(lost, reader)
         async for record in reader.records():
             try:
                 self.handle_record(record)

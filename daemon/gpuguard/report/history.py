@@ -11,7 +11,9 @@ and drawing a recording needs no sink, so the reader lives with the reports.
 from __future__ import annotations
 
 import json
+import fcntl
 import os
+import struct
 import re
 import sqlite3
 import time
@@ -77,9 +79,10 @@ class FlightLog:
     """Reads a recorder through `query(sql, args)`: `FlightRecorder.query` in the daemon,
     or `FlightLog.open(path)` for a file."""
 
-    def __init__(self, query: Query, path: str = "recorder") -> None:
+    def __init__(self, query: Query, path: str = "recorder", live: bool | None = None) -> None:
         self._query = query
         self.path = path
+        self._live = live  # None: ask the file (writer_alive)
 
     @classmethod
     def open(cls, path: str) -> "FlightLog":
@@ -117,6 +120,33 @@ class FlightLog:
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
+
+    def writer_alive(self) -> bool:
+        """True while a process other than this one has the recording open (the daemon
+        writing it): every SQLite connection to a WAL database holds a shared lock on the
+        -shm file's DMS byte (offset 128) while it is open; a killed writer holds none. A
+        copied file, or one whose daemon is gone, has no such holder."""
+        if self._live is not None:
+            return self._live
+        try:
+            fd = os.open(self.path + "-shm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False  # no -shm: nobody has it open in WAL mode
+        try:
+            probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 128, 1, 0)
+            held = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, probe))[0]
+            return held != fcntl.F_UNLCK
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def stopped_cleanly(self) -> bool:
+        """The recording ends with the marker of a clean stop (sinks/recorder.py
+        `mark_stopped`), after its last sample."""
+        (last,), = self.q("SELECT max(t) FROM samples")
+        (marker,), = self.q("SELECT max(t) FROM events WHERE kind = 'recording_stopped'")
+        return marker is not None and (last is None or marker >= last)
 
     def q(self, sql: str, args: tuple = ()) -> list[tuple]:
         try:

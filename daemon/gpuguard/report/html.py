@@ -40,8 +40,8 @@ def headline(window: Window, focus: float, event: dict[str, Any] | None) -> tupl
         return title, f"{event['severity']}: {event['message']}"
     last = max((g["t"][-1] for g in window.gpus.values() if g["t"]), default=None)
     if last is not None and abs(last - focus) < 2 and focus < window.end - 5:
-        return ("recording stopped", "no sample after this moment and no kernel line: the host lost power or "
-                "froze (a PSU trip leaves exactly this, INCIDENTS §2)")
+        return ("recording stopped", "no sample after this moment, no kernel line and no clean stop: the host "
+                "lost power or froze, or gpuguard was killed (a PSU trip leaves exactly this, INCIDENTS §2)")
     return "moment", f"{_clock(focus)}"
 
 

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -121,6 +121,23 @@ def kernel_families(hub: Hub) -> Iterable[Metric]:
     for (gpu, kind), n in sorted(hub.gpus.kernel_counts.items()):
         kev.add_metric([gpu, kind], n)
     yield kev
+
+
+def kernel_log_families(stats: Mapping[str, object]) -> Iterable[Metric]:
+    """The kernel log reader's own counts (kernel/kmsg.py `KmsgReader.stats()`): records it
+    never read are lines no alert was raised for."""
+    for name, key, doc in (
+        ("gpuguard_kernel_log_records_lost", "lost_records",
+         "Kernel log records gpuguard never read: overwritten in the kernel's ring while it was "
+         "paused, stopped or behind a flood (sequence numbers skipped)"),
+        ("gpuguard_kernel_log_overruns", "overruns",
+         "Reads of /dev/kmsg that found the next records already overwritten (EPIPE)"),
+        ("gpuguard_kernel_log_records_malformed", "bad_records",
+         "Kernel log records skipped as malformed, or with a sequence number no kernel can have"),
+    ):
+        fam = CounterMetricFamily(name, doc)
+        fam.add_metric([], stats[key])
+        yield fam
 
 
 def gpu_families(hub: Hub) -> Iterable[Metric | Keyed]:

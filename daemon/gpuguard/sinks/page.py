@@ -24,7 +24,7 @@ import json
 import operator
 import time
 from importlib import resources
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import quote
 
 from pydantic import Field
@@ -151,16 +151,25 @@ def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str 
     return {"start": start, "end": end, "step": step, "gpus": gpus, "engines": engines, "events": events}
 
 
+# A moment is a finite unix time a clock can print: `at=nan`, `inf` or 1e308 reached
+# time.localtime and answered 500; year 9999 is the last one it formats everywhere.
+UNIX_TIME_MAX = 253402300799.0
+
+
+def _moment(description: str) -> Any:
+    return Field(None, ge=0, le=UNIX_TIME_MAX, allow_inf_nan=False, description=description)
+
+
 class HistoryQuery(Query):
-    since: float | None = Field(None, description="unix time (default: 15 minutes ago)")
-    until: float | None = Field(None, description="unix time (default: now)")
+    since: float | None = _moment("unix time (default: 15 minutes ago)")
+    until: float | None = _moment("unix time (default: now)")
     points: int = Field(300, ge=10, le=5000, description="at most this many points per series")
     gpu: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
 class ReportQuery(Query):
     event: int | None = Field(None, ge=1)
-    at: float | None = None
+    at: float | None = _moment("unix time of the moment to report on")
     before: float = Field(120, ge=1, le=86400)
     after: float = Field(60, ge=0, le=86400)
 
@@ -179,7 +188,7 @@ def mount_page(app: Api, recorder: Callable[[], FlightRecorder | None]) -> None:
         rec = recorder()
         if rec is None:
             raise HTTPException(501, detail="the flight recorder is off (recorder.enabled: false): no history")
-        return FlightLog(rec.query, rec.path)
+        return FlightLog(rec.query, rec.path, live=True)  # this daemon writes it
 
     def index(request: Request) -> Response:
         return Response(_index_html(), media_type="text/html; charset=utf-8",

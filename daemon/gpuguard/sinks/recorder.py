@@ -14,6 +14,19 @@ samples and a SIGKILL lost seconds of them. The database is bounded by size too
 exported: `gpuguard_recorder_write_failures_total`, `gpuguard_recorder_events_dropped_total`
 (the in-memory backlog overflowed), `gpuguard_recorder_rows_total{table}`,
 `gpuguard_recorder_bytes` (file size on disk, WAL included).
+
+The file is checked before every transaction (one stat: device and inode): deleted or
+replaced under the running daemon, writes went on into the unlinked inode and every row
+after it was lost without a word. Now the recording is reopened as a new file at the
+path, counted (`gpuguard_recorder_file_lost_total`) and said in a `recorder_file_lost`
+event (handed to `publish` on the caller's thread at the next `record()`).
+
+A clean stop ends the recording with a `recording_stopped` event (`mark_stopped`): a
+recording that ends without one was cut short (SIGKILL, a crash, a PSU trip), and the
+default report is about that moment (report/make.py).
+
+A report that must see an event reads after the transaction that holds it: `record()`
+returns that transaction's future; `flush()` waits for everything handed in so far.
 """
 from __future__ import annotations
 
@@ -25,7 +38,7 @@ import logging
 import os
 import sqlite3
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -73,8 +86,13 @@ CACHE_KIB = 256  # SQLite page cache of the writing connection (see _open)
 
 
 class FlightRecorder:
-    def __init__(self, path: str, keep_seconds: float = 86400.0, max_bytes: int | None = None) -> None:
+    def __init__(self, path: str, keep_seconds: float = 86400.0, max_bytes: int | None = None,
+                 publish: Callable[[Event], object] | None = None) -> None:
         self.path = path
+        self.publish = publish  # where the recorder's own events go (the hub), on the caller's thread
+        self.files_lost = 0
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file written
+        self._notices: collections.deque[Event] = collections.deque()
         self.keep_seconds = keep_seconds
         self.max_bytes = max_bytes
         self.failures = 0
@@ -104,11 +122,47 @@ class FlightRecorder:
         db.executescript(SCHEMA)
         db.commit()
         self._db = db
+        st = os.stat(self.path)
+        self._identity = (st.st_dev, st.st_ino)
+
+    def _check_file(self) -> None:
+        """Reopen the recording when its file was deleted or replaced (see the module doc)."""
+        try:
+            st = os.stat(self.path)
+            now: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        except OSError:
+            return  # cannot tell (EIO, EACCES): the write says what is wrong
+        if self._db is not None and now == self._identity:
+            return
+        if self._db is not None:
+            what = "deleted" if now is None else "replaced by another file"
+            self.files_lost += 1
+            log.error("recorder file %s was %s while recording: rows since went into the old file; "
+                      "recording goes on in a new file there (see gpuguard_recorder_file_lost_total)",
+                      self.path, what)
+            self._notices.append(Event(
+                kind="recorder_file_lost", severity="alert", source="recorder",
+                message=f"flight recording {self.path} was {what} while gpuguard was writing it: the rows "
+                        "since then are lost; recording goes on in a new file at that path",
+                fields={"path": self.path, "what": what, "times": self.files_lost}))
+            try:
+                self._db.close()
+            except sqlite3.Error:
+                pass
+            self._db = None
+        try:
+            self._open()
+        except (OSError, sqlite3.Error) as e:
+            self._db = None  # tried again before the next transaction; each one counted failed
+            raise sqlite3.OperationalError(f"cannot reopen {self.path}: {e}") from e
 
     def _write(self, samples: list[tuple], events: list[tuple], engines: list[tuple] = (),
                power: dict[str, list[tuple]] | None = None) -> None:
-        assert self._db is not None
         try:
+            self._check_file()
+            assert self._db is not None
             with self._db:
                 for table, rows in (power or {}).items():
                     if rows:
@@ -207,6 +261,29 @@ class FlightRecorder:
                 return
             self._backlog.append(event)
 
+    def revise_event(self, old: Event, new: Event) -> None:
+        """`new` replaces `old` (state/hub.py `revise`): in the backlog while it waits there,
+        else its row is updated in the next transaction's place (any thread; never blocks)."""
+        with self._backlog_lock:
+            for i in range(len(self._backlog) - 1, -1, -1):
+                if self._backlog[i] is old:
+                    self._backlog[i] = new
+                    return
+        (row,) = self.event_rows([new])
+        self._pool.submit(self._update_event, (old.time, old.kind, old.message), row)
+
+    def _update_event(self, where: tuple, row: tuple) -> None:
+        try:
+            self._check_file()
+            assert self._db is not None
+            with self._db:
+                self._db.execute("UPDATE events SET t=?, kind=?, severity=?, source=?, gpu=?, bdf=?, engine=?, "
+                                 "message=?, fields=? WHERE rowid = (SELECT max(rowid) FROM events "
+                                 "WHERE t = ? AND kind = ? AND message = ?)", (*row, *where))
+        except sqlite3.Error as e:
+            self.failures += 1
+            log.error("recorder update failed path=%s error=%s (failures so far: %d)", self.path, e, self.failures)
+
     def _take_backlog(self) -> list[Event]:
         with self._backlog_lock:
             out = list(self._backlog)
@@ -219,6 +296,8 @@ class FlightRecorder:
         `events`, and `engines` (name -> EngineSnapshot, at the snapshot's time). Returns
         the future (tests wait on it, the daemon does not)."""
         t = snap.time if snap else time.time()
+        while self._notices and self.publish is not None:
+            self.publish(self._notices.popleft())  # into the backlog (the hub hands it back)
         evs = self._take_backlog() + list(events)
         with self._backlog_lock:
             power, self._power_rows = self._power_rows, {}
@@ -239,6 +318,17 @@ class FlightRecorder:
                     self._power_rows.setdefault(table, []).extend(rows)
             return None
         return self._pool.submit(self._write, [], [], [], power)
+
+    def mark_stopped(self, why: str = "gpuguard stopped") -> None:
+        """End the recording cleanly: the marker goes in with what still waits (close())."""
+        self.add_event(Event("recording_stopped", "info", "recorder",
+                             f"{why} cleanly: the recording ends here", fields={"path": self.path}))
+
+    def flush(self) -> None:
+        """Wait until everything handed in so far is committed (or counted failed)."""
+        if self._backlog:
+            self.record()
+        self._pool.submit(lambda: None).result()
 
     def bytes_on_disk(self) -> int:
         total = 0
@@ -261,7 +351,11 @@ class FlightRecorder:
         dropped.add_metric([], self.events_dropped)
         size = GaugeMetricFamily("gpuguard_recorder_bytes", "Flight recorder size on disk (database + WAL)")
         size.add_metric([], self.bytes_on_disk())
-        yield from (fail, rows, dropped, size)
+        lost = CounterMetricFamily("gpuguard_recorder_file_lost", "Times the flight recording's file was found "
+                                   "deleted or replaced while recording: reopened as a new file, the rows of "
+                                   "the cycle before lost with the old one")
+        lost.add_metric([], self.files_lost)
+        yield from (fail, rows, dropped, size, lost)
 
     def query(self, sql: str, args: tuple = ()) -> list[tuple]:
         return self._pool.submit(lambda: self._db.execute(sql, args).fetchall()).result()

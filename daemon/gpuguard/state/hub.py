@@ -60,6 +60,7 @@ class Hub:
         # keyed by source name; each value is immutable.
         self._views: dict[str, Any] = {}
         self._subscribers: list[Callable[[Event], None]] = []
+        self._revisers: list[Callable[[Event, Event], None]] = []
         # The one owner of every GPU's identity and lifecycle (lost, back, profile state).
         self.gpus = GpuStates(self.publish)
         # One short note per source for the one-line summary (systemd STATUS=, /v1/status):
@@ -106,6 +107,21 @@ class Hub:
                 q.put_nowait(event)
             except asyncio.QueueFull:
                 pass  # a slow consumer loses events, the hub never blocks
+
+    def revise(self, old: Event, new: Event) -> None:
+        """`new` stands for the published `old` from now on (repeats counted into it, see
+        kernel/router.py): replaced in the event list, handed to `on_revise` listeners
+        (the recorder). Not published again: no second webhook, no second log line."""
+        for i in range(len(self.events) - 1, -1, -1):
+            if self.events[i] is old:
+                self.events[i] = new
+                break
+        for fn in list(self._revisers):
+            fn(old, new)
+
+    def on_revise(self, fn: Callable[[Event, Event], None]) -> None:
+        """Call `fn(old, new)` when an event is revised (must not block)."""
+        self._revisers.append(fn)
 
     def on_event(self, fn: Callable[[Event], None]) -> None:
         """Call `fn(event)` synchronously for every event (must not block)."""
