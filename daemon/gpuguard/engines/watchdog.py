@@ -211,10 +211,12 @@ class EngineWatchdog:
 
     async def kill_asked(self, name: str, who: str) -> KillResult | None:
         """The same SIGTERM → grace → SIGKILL → verify-gone as a policy kill, audited with
-        `who`; None when the engine has no process to kill."""
+        `who`; None when the engine has no process to kill. Raises ProcessLookupFailed when
+        what was found may not be killed (a pid file someone else wrote, PID 1, ...): the
+        caller says why."""
         e = self._engines[name]
         async with e.lock:
-            procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
+            procs = await asyncio.to_thread(resolve, e.cfg)
             if procs is None:
                 return None
             evidence = dict(e.snapshot.evidence) if e.snapshot else {}
@@ -580,7 +582,8 @@ class EngineWatchdog:
         how = "SIGTERM then SIGKILL" if result.escalated else "SIGTERM"
         self._event(e, "engine_killed", sev,
                     f"engine {cfg.name} killed ({reason}) with {how} in {result.seconds:.2f} s"
-                    + ("" if result.gone else f"; STILL ALIVE: {list(result.survivors)}"),
+                    + ("" if not result.survivors else f"; STILL ALIVE: {list(result.survivors)}")
+                    + ("" if not result.refused else f"; NOT SIGNALLED: {'; '.join(result.refused)}"),
                     reason=reason, result=result.to_dict())
         return result
 
@@ -659,7 +662,11 @@ class EngineWatchdog:
 
         async def one(e: _Engine) -> None:
             async with e.lock:
-                procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
+                try:
+                    procs = await asyncio.to_thread(resolve, e.cfg)
+                except ProcessLookupFailed as exc:  # not "gone": nothing was signalled
+                    out[e.cfg.name] = {"gone": False, "refused": [str(exc)], "note": "nothing signalled"}
+                    return
                 if procs is None:
                     out[e.cfg.name] = {"gone": True, "note": "no process running"}
                     return
