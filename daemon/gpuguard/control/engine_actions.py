@@ -44,7 +44,14 @@ class EngineActions:
         if not (cfg.process.systemd_unit or cfg.restart_command):
             raise ActionRefused(f"engine {name}: no process.systemd_unit or restart_command to restart it with; "
                                 "use kill, or configure one")
-        return await self.wd.restart_asked(name, who)
+        out = await self.wd.restart_asked(name, who)
+        cmd = out.get("command") or {}
+        if cmd and cmd.get("returncode") != 0:  # the engine was not restarted: never answered "ok"
+            how = (f"exited {cmd['returncode']}" if cmd.get("returncode") is not None else cmd.get("output", "failed"))
+            tail = (cmd.get("output") or "").strip().splitlines()[-1:] if cmd.get("returncode") is not None else []
+            raise ActionRefused(f"engine {name}: restart command {' '.join(cmd.get('argv', []))} {how}"
+                                + (f": {tail[0]}" if tail else ""))
+        return out
 
     async def quarantine_cache(self, name: str, who: str) -> dict[str, Any]:
         if name not in self.wd.cache_owners():
