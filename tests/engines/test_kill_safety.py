@@ -124,6 +124,20 @@ def test_a_pid_file_naming_pid_1_is_refused(tmp_path, victim):
     assert all(alive(p) for p in tree) and alive(1)
 
 
+def test_a_kernel_hang_kill_refused_is_not_called_gone(tmp_path, victim):
+    """The kernel's kill (a GPU hang) goes through the same resolution: refused, its result
+    says so — never the "gone" of an engine that had no process."""
+    shell, tree = victim
+    f = _pid_file(tmp_path, 1)
+    cfg = engine_cfg("victim", "vllm", "http://127.0.0.1:1", gpus=["gpu0"], process={"pid_file": str(f), "user": ME})
+    audit: list = []
+    wd = EngineWatchdog([cfg], audit.append, lambda e: None)
+    out = asyncio.run(wd.kill_engines_on_gpu("gpu0", "gpu_hang"))
+    assert out == {"victim": {"gone": False, "note": "nothing signalled", "refused": [
+        f"pid file {f} names PID 1 (init), never an engine; refused, nothing signalled"]}}
+    assert audit == [] and all(alive(p) for p in tree)
+
+
 @pytest.mark.parametrize("pattern", [".", ".*", "^", "$", "(?:)", "x*", r"\S", "[a-z]", ".+", "(?s).", r"\w|/"])
 def test_a_cmdline_regex_that_matches_any_process_is_refused(pattern):
     assert matches_any_process(pattern)
