@@ -58,3 +58,19 @@ def test_a_kill_is_audited_gone(tmp_path, sleeper):
     (rec,) = list(log)
     assert (rec["what"], rec["result"]) == ("engine.kill", "gone")
     assert rec["evidence"]["result"]["pids"] == [p.pid]
+
+
+def test_the_watchdogs_own_kill_goes_ahead_when_its_record_cannot_be_written(tmp_path, sleeper, caplog):
+    """A full or broken state folder must not keep a hung engine alive: the safety kill (a
+    GPU hang here) runs, and the record it could not write is in the log whole."""
+    p, pid_file = sleeper
+    (tmp_path / "audit.jsonl").mkdir()  # the audit log's path cannot be written
+    log = AuditLog(tmp_path / "audit.jsonl")
+    cfg = engine_cfg("e", "vllm", "http://127.0.0.1:1", grace=1.0, gpus=["gpu0"],
+                     process={"pid_file": str(pid_file), "user": str(os.geteuid())})
+    wd = EngineWatchdog([cfg], log.engine_action, lambda e: None)
+    with caplog.at_level("ERROR", logger="gpuguard.audit"):
+        out = asyncio.run(wd.kill_engines_on_gpu("gpu0", "gpu_hang"))
+    assert out["e"]["gone"] and not alive(p.pid)
+    (line,) = [r.getMessage() for r in caplog.records if "audit record not written" in r.getMessage()]
+    assert '"what": "engine.kill"' in line and '"result": "gone"' in line
