@@ -579,9 +579,10 @@ class EngineWatchdog:
         result = await kill_engine(procs.pids, cfg.grace, cgroup=procs.cgroup)
         self._actions[(cfg.name, "kill", reason)] += 1
         e.last_action = f"kill ({reason})"
+        why_not = ([f"still alive: {list(result.survivors)}"] if result.survivors else []) + (
+            [f"not signalled: {'; '.join(result.refused)}"] if result.refused else [])
         self._audit(e, "kill", reason, who, evidence, result.to_dict(), now, "gone" if result.gone else "not gone",
-                    "; ".join([f"still alive: {list(result.survivors)}"] * bool(result.survivors)
-                              + [f"not signalled: {'; '.join(result.refused)}"] * bool(result.refused)))
+                    "; ".join(why_not))
         sev = "critical" if not result.gone else "alert"
         how = "SIGTERM then SIGKILL" if result.escalated else "SIGTERM"
         self._event(e, "engine_killed", sev,

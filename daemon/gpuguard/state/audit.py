@@ -54,7 +54,7 @@ class EngineAction(Mapping):
     gpus: tuple[str, ...] = ()
     evidence: dict = field(default_factory=dict)
     result: dict = field(default_factory=dict)  # the action's own record (KillResult, the command, ...)
-    time: float = 0.0
+    time: float = 0.0  # when the watchdog decided it (the record's own time is when it is written)
 
     @property
     def result_text(self) -> str:
@@ -170,7 +170,7 @@ class AuditLog:
             f"engine.{action.what}", action.who, action.why, target=action.engine,
             evidence={"evidence": action.evidence, "gpus": list(action.gpus), "kind": action.kind,
                       "result": action.result, "returncode": action.returncode},
-            result=action.result_text, when=action.time or None,
+            result=action.result_text,
         )
 
     def profile_started(self, gpu: str, profile: str, who: str, why: str) -> None:
