@@ -165,13 +165,16 @@ def engine_uid(cfg: EngineConfig) -> int | None:
 
 
 def _trusted_pid_file(path: Path, st: os.stat_result, uid: int | None, what: str = "") -> None:
-    """Only root or the engine's user may have written the file that aims the kill."""
-    allowed = {0} | ({uid} if uid is not None else set())
+    """Only root or the engine's user may have written the file that aims the kill (or
+    gpuguard's own user, when it runs as another: it can signal no one else's processes)."""
+    me = os.geteuid()
+    allowed = {0, me} | ({uid} if uid is not None else set())
     if st.st_uid not in allowed:
         mine = (f"the engine's user {_user_name(uid)} (uid {uid})" if uid is not None
                 else "the engine's user (process.user)")
+        ours = f", gpuguard's user {_user_name(me)}" if me else ""
         raise ProcessLookupFailed(f"pid file {path}{what} is owned by {_user_name(st.st_uid)} (uid {st.st_uid}), "
-                                  f"not by root or {mine}: anyone else may have written it; {REFUSED}")
+                                  f"not by root{ours} or {mine}: anyone else may have written it; {REFUSED}")
     writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
     if writable and not stat.S_ISLNK(st.st_mode):
         raise ProcessLookupFailed(f"pid file {path} is writable by {' and '.join(writable)} "
