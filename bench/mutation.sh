@@ -6,6 +6,7 @@
 # writes the survivors not listed there to bench/results/mutation-run.txt.
 #
 #   bench/mutation.sh [--quick] [--budget MIN] [--jobs N] [--only MODULE]... [--keep]
+#   bench/mutation.sh --hand [--only ID]... [--list]
 #
 #   --quick       every 4th mutant of each module, 6 minutes at most: a smoke run
 #   --budget MIN  stop after MIN minutes of wall time (default 60; every module took 43 min on 2 cores); modules not reached
@@ -13,6 +14,9 @@
 #   --jobs N      mutmut worker processes (default 2: the CI machine has 2 cores)
 #   --only M      just this module (as written in MODULES; repeatable)
 #   --keep        keep the scratch trees (mutmut results browse there: mutmut browse)
+#   --hand        instead: the hand-written mutants of bench/hand_mutants.py, the shapes mutmut's
+#                 operators cannot make (a guard deleted, the audit record moved after the action,
+#                 os.kill turned into os.killpg); the rest of the arguments go to it
 #
 # mutmut wants the code under ./, src/ or source/ and the tests beside it; gpuguard keeps it
 # in daemon/gpuguard, so each module gets a scratch tree in $TMPDIR: src/gpuguard (a copy),
@@ -33,8 +37,8 @@ profiles/apply.py  | *  | tests/profiles --ignore=tests/profiles/test_daemon_sim
 state/identity.py  | *  | tests/state
 state/gpus.py      | *  | tests/state tests/kernel/test_router.py tests/nvml/test_nvml_events.py
 engines/stall.py   | *  | tests/engines/test_stall.py tests/engines/test_stall_exact.py tests/engines/test_reference_metrics.py
-engines/actions.py | *  | tests/engines/test_actions_exact.py tests/engines/test_kill_on_stall.py
-engines/process.py | *  | tests/engines/test_process_exact.py tests/engines/test_config_and_process.py tests/engines/test_exact_kill_and_restart.py
+engines/actions.py | *  | tests/engines/test_actions_exact.py tests/engines/test_kill_on_stall.py tests/engines/test_kill_safety.py
+engines/process.py | *  | tests/engines/test_process_exact.py tests/engines/test_config_and_process.py tests/engines/test_exact_kill_and_restart.py tests/engines/test_kill_safety.py
 kernel/rules.py    | *  | tests/kernel --ignore=tests/kernel/test_cli_events.py --ignore=tests/kernel/test_alert_flood.py
 kernel/router.py   | *  | tests/kernel --ignore=tests/kernel/test_cli_events.py --ignore=tests/kernel/test_alert_flood.py tests/state/test_gpus.py
 control/auth.py    | *  | tests/service/test_auth_exact.py tests/service/test_auth.py tests/service/test_api.py
@@ -47,6 +51,7 @@ hw/pcie.py         | parse_link_speed parse_aer _role _link _root_bus_link _gpu_
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BUDGET_MIN=60 SAMPLE=1 JOBS=2 KEEP=0 ONLY=()
+[ "${1:-}" = --hand ] && { shift; exec python3 "$(dirname "$0")/hand_mutants.py" "$@"; }
 while (($#)); do
   case $1 in
     --quick) SAMPLE=4 BUDGET_MIN=6 ;;
@@ -54,7 +59,7 @@ while (($#)); do
     --jobs) JOBS=$2; shift ;;
     --only) ONLY+=("$2"); shift ;;
     --keep) KEEP=1 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift

@@ -216,7 +216,7 @@ class Daemon:
             # incident bundles under state_dir/incidents, pause statistics
             incidents = IncidentStore(os.path.join(config.state_dir, "incidents"),
                                       context=host_context.window(self.hub, self.recorder))
-            self.engines = EngineWatchdog(config.engines, audit=self._engine_audit, publish=self.hub.publish,
+            self.engines = EngineWatchdog(config.engines, audit=self.audit.engine_action, publish=self.hub.publish,
                                           attribution=attribution, incidents=incidents,
                                           gpu_telemetry=host_context.gpu_now(self.hub))
             self.metrics.add("engines", lambda: engine_metrics(self.engines))
@@ -308,13 +308,6 @@ class Daemon:
                                  lambda bdf: self.poller.names.get(bdf), self.stop_event)
         if task is not None:
             self.tasks.append(task)
-
-    def _engine_audit(self, rec: dict) -> None:
-        self.audit.record(
-            f"engine.{rec.get('what')}", rec.get("who", "policy"), rec.get("why", ""),
-            target=rec.get("engine"), evidence={k: rec.get(k) for k in ("evidence", "gpus", "kind")},
-            result=str((rec.get("result") or {}).get("gone", "ok")) if isinstance(rec.get("result"), dict) else "ok",
-        )
 
     async def _kill_engines_for_kernel(self, gpu: str | None, bdf: str | None, kind: str) -> None:
         if self.engines is None:

@@ -100,7 +100,9 @@ def test_the_default_command_timeout_is_a_minute():
 def test_kill_result_record():
     k = KillResult((4, 5), "/sys/fs/cgroup/x.scope", ("SIGTERM pid 4",), True, False, (5,), 0.12345)
     assert k.to_dict() == {"pids": [4, 5], "cgroup": "/sys/fs/cgroup/x.scope", "signals": ["SIGTERM pid 4"],
-                           "escalated": True, "gone": False, "survivors": [5], "seconds": 0.123}
+                           "escalated": True, "gone": False, "survivors": [5], "seconds": 0.123, "refused": []}
+    k = KillResult((4,), None, ("SIGTERM pid 4",), False, False, (), 0.1, ("PID 1 (init)",))
+    assert k.to_dict()["refused"] == ["PID 1 (init)"]
 
 
 def test_sigterm_is_enough_for_a_process_that_takes_it(started):
@@ -160,7 +162,10 @@ def test_the_whole_tree_in_pid_order_and_never_ourselves(started):
     everyone = tuple(sorted([parent.pid, *kids]))
     assert res.pids == everyone and os.getpid() not in res.pids
     assert res.signals == tuple(f"SIGTERM pid {p}" for p in everyone)
-    assert (res.escalated, res.gone, res.survivors) == (False, True, ())
+    # what it refused to touch is said, and the engine is not called "gone" with it
+    assert (res.escalated, res.gone, res.survivors, res.refused) == (
+        False, False, (), (f"PID {os.getpid()} (gpuguard itself)",))
+    assert not any(alive(p) for p in everyone)
 
 
 def test_a_pid_already_gone_is_not_signalled(started):

@@ -74,12 +74,18 @@ def test_resolve_pid_file_and_vllm_engine_core(tmp_path, sims):
 
 def test_pid_file_older_than_the_process_is_stale(tmp_path):
     """The PID in a pid file written before that process started belongs to someone else."""
-    pidf = tmp_path / "e.pid"
-    pidf.write_text(f"{os.getpid()}\n")
-    cfg = engine_cfg("e", "vllm", "http://h:1", process={"pid_file": str(pidf)})
-    assert resolve(cfg).main_pid == os.getpid()  # written after the process started: valid
-    os.utime(pidf, (0, 0))  # written in 1970, long before this process started
-    assert resolve(cfg) is None
+    import subprocess
+    engine = subprocess.Popen(["sleep", "60"])
+    try:
+        pidf = tmp_path / "e.pid"
+        pidf.write_text(f"{engine.pid}\n")
+        cfg = engine_cfg("e", "vllm", "http://h:1", process={"pid_file": str(pidf)})
+        assert resolve(cfg).main_pid == engine.pid  # written after the process started: valid
+        os.utime(pidf, (0, 0))  # written in 1970, long before this process started
+        assert resolve(cfg) is None
+    finally:
+        engine.kill()
+        engine.wait(5)
 
 
 def test_resolve_errors_are_clear(tmp_path):

@@ -195,6 +195,9 @@ def test_restart_command_that_fails_is_restart_failed(sims):
     wd = EngineWatchdog([cfg], lambda r: None, events.append)
     from gpuguard.control.engine_actions import EngineActions
 
-    out = asyncio.run(EngineActions(wd).restart_engine("e", "test"))
-    assert out["command"]["returncode"] == 1
+    from gpuguard.control.actions import ActionRefused
+
+    # the API answers 409 with the command's exit code, never "ok" for a restart that did not happen
+    with pytest.raises(ActionRefused, match="^engine e: restart command false exited 1$"):
+        asyncio.run(EngineActions(wd).restart_engine("e", "test"))
     assert [e.kind for e in events] == ["engine_restart_failed"]

@@ -188,6 +188,9 @@ def test_by_cmdline_the_oldest_of_unrelated_matches(spawn):
 
 
 def test_by_cmdline_never_a_launching_shell_nor_ourselves(spawn):
+    """The last check holds however pytest was started: a parent whose command line ends
+    with pytest's own (`timeout 2400 python -m pytest …`) is gpuguard's parent, never
+    matched (test_kill_safety.py runs it under such a parent)."""
     tag = f"engine-{uuid.uuid4().hex[:8]}"
     shell = spawn(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(60)' {tag}; true"])
     (engine,) = wait_children(shell.pid, 1)

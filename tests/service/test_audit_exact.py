@@ -164,3 +164,29 @@ def test_the_log_makes_its_missing_folders(tmp_path):
     log = AuditLog(tmp_path / "state" / "sub" / "a.jsonl")
     log.record("x", "who", "why")
     assert [r["what"] for r in log] == ["x"]
+
+
+def test_an_engine_action_is_filed_with_its_real_outcome(tmp_path):
+    from gpuguard.state.audit import EngineAction
+
+    log = AuditLog(tmp_path / "audit.jsonl")
+    action = EngineAction(what="restart", why="heartbeat_flat", who="policy", engine="vllm-a", kind="vllm",
+                          outcome="failed", detail="restart command exited 1", returncode=1, gpus=("xtx-0",),
+                          evidence={"running": 2}, result={"command": {"argv": ["x"], "returncode": 1}},
+                          time=1700000000.5)
+    assert action["outcome"] == "failed" and dict(action)["returncode"] == 1 and len(action) == len(list(action))
+    with pytest.raises(KeyError):
+        action["nope"]
+    import time
+
+    t0 = time.time()
+    rec = log.engine_action(action)
+    assert t0 <= rec.pop("unix_time") <= time.time() and rec.pop("time").endswith("+00:00")
+    assert rec == {"what": "engine.restart",
+                   "target": "vllm-a", "who": "policy", "why": "heartbeat_flat",
+                   "result": "failed: restart command exited 1",
+                   "evidence": {"evidence": {"running": 2}, "gpus": ["xtx-0"], "kind": "vllm",
+                                "result": {"command": {"argv": ["x"], "returncode": 1}}, "returncode": 1}}
+    assert [{k: v for k, v in r.items() if "time" not in k} for r in log] == [rec]
+    gone = EngineAction(what="kill", why="api", who="api:alice", engine="e", kind="vllm", outcome="gone", time=2.0)
+    assert log.engine_action(gone)["result"] == "gone"

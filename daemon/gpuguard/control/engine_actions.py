@@ -10,6 +10,7 @@ from typing import Any
 from gpuguard.control.actions import ActionRefused, UnknownTarget
 from gpuguard.engines.caches import CacheError
 from gpuguard.engines.config import EngineConfig
+from gpuguard.engines.process import ProcessLookupFailed
 from gpuguard.engines.watchdog import EngineWatchdog
 
 
@@ -25,9 +26,15 @@ class EngineActions:
 
     async def kill_engine(self, name: str, who: str) -> dict[str, Any]:
         cfg = self._engine(name)
-        res = await self.wd.kill_asked(name, who)
+        try:
+            res = await self.wd.kill_asked(name, who)
+        except ProcessLookupFailed as exc:  # found, but not the engine's to kill: why, nothing signalled
+            raise ActionRefused(f"engine {name}: {exc}") from None
         if res is None:
             raise ActionRefused(f"engine {name}: no process found ({cfg.process.model_dump(exclude_none=True)})")
+        if res.refused:
+            raise ActionRefused(f"engine {name}: not signalled: {'; '.join(res.refused)}"
+                                + (f"; signalled and gone: {list(res.pids)}" if res.pids and not res.survivors else ""))
         if not res.gone:
             raise ActionRefused(f"engine {name}: processes survived SIGKILL: {list(res.survivors)}")
         return res.to_dict()
@@ -37,7 +44,14 @@ class EngineActions:
         if not (cfg.process.systemd_unit or cfg.restart_command):
             raise ActionRefused(f"engine {name}: no process.systemd_unit or restart_command to restart it with; "
                                 "use kill, or configure one")
-        return await self.wd.restart_asked(name, who)
+        out = await self.wd.restart_asked(name, who)
+        cmd = out.get("command") or {}
+        if cmd and cmd.get("returncode") != 0:  # the engine was not restarted: never answered "ok"
+            how = (f"exited {cmd['returncode']}" if cmd.get("returncode") is not None else cmd.get("output", "failed"))
+            tail = (cmd.get("output") or "").strip().splitlines()[-1:] if cmd.get("returncode") is not None else []
+            raise ActionRefused(f"engine {name}: restart command {' '.join(cmd.get('argv', []))} {how}"
+                                + (f": {tail[0]}" if tail else ""))
+        return out
 
     async def quarantine_cache(self, name: str, who: str) -> dict[str, Any]:
         if name not in self.wd.cache_owners():

@@ -2,7 +2,9 @@
 its process tree, and its cgroup's members when it has one — SIGKILL after the grace
 period, verify every process is gone) and restart (`systemctl restart UNIT`, or kill and
 run the configured command). Never a process group or a session: those may hold
-bystanders. Async: waiting out a grace period never blocks the event loop."""
+bystanders. Never PID 1, gpuguard itself, its parents or a kernel thread, whatever the
+PIDs given (engines/process.Protected, checked again at the signal: the tree and the
+cgroup are read anew here). Async: waiting out a grace period never blocks the event loop."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from gpuguard.engines.process import cgroup_procs
+from gpuguard.engines.process import Protected, cgroup_procs
 
 
 @dataclass(frozen=True)
@@ -26,11 +28,14 @@ class KillResult:
     gone: bool
     survivors: tuple[int, ...]
     seconds: float
+    # what was found but never signalled, each with why ("PID 1 (init)", ...): the engine is
+    # not "gone" while one of these was in it
+    refused: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         return {"pids": list(self.pids), "cgroup": self.cgroup, "signals": list(self.signals),
                 "escalated": self.escalated, "gone": self.gone, "survivors": list(self.survivors),
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3), "refused": list(self.refused)}
 
 
 def _alive(pid: int) -> bool:
@@ -92,7 +97,6 @@ def _members(pids: set[int], cgroup: Path | None) -> set[int]:
             found.update(cgroup_procs(cgroup) or ())
         except Exception:  # noqa: BLE001 - an unreadable cgroup leaves the tree
             pass
-    found.discard(os.getpid())
     return found
 
 
@@ -102,12 +106,22 @@ async def kill_engine(pids: tuple[int, ...], grace: float, *, cgroup: Path | Non
     is left (through `cgroup.kill` when the cgroup has one: nothing can fork away), verify."""
     t0 = time.monotonic()
     signals: list[str] = []
+    never = Protected()
+    refused: dict[int, str] = {}
+
+    def allowed(found: set[int]) -> set[int]:
+        for pid in found:
+            if pid not in refused and (why := never.why(pid)):
+                refused[pid] = why
+        return found - set(refused)
+
     # Taken before the first signal: once a parent dies its children are re-parented and
     # the tree no longer finds them.
-    targets = await asyncio.to_thread(_members, set(pids), cgroup)
+    targets = allowed(await asyncio.to_thread(_members, set(pids), cgroup))
 
     def send(sig: signal.Signals) -> None:
-        if sig == signal.SIGKILL and cgroup is not None and (cgroup / "cgroup.kill").exists():
+        # cgroup.kill takes every member: never while one of them may not be touched
+        if sig == signal.SIGKILL and cgroup is not None and not refused and (cgroup / "cgroup.kill").exists():
             try:
                 (cgroup / "cgroup.kill").write_text("1")
                 signals.append(f"SIGKILL cgroup.kill {cgroup}")
@@ -126,7 +140,7 @@ async def kill_engine(pids: tuple[int, ...], grace: float, *, cgroup: Path | Non
         left = {p for p in pids if _alive(p)}
         if cgroup is not None:
             try:
-                left |= {p for p in (cgroup_procs(cgroup) or ()) if p != os.getpid() and _alive(p)}
+                left |= {p for p in allowed(set(cgroup_procs(cgroup) or ())) if _alive(p)}
             except Exception:  # noqa: BLE001 - an unreadable cgroup leaves the PIDs
                 pass
         return left
@@ -145,11 +159,12 @@ async def kill_engine(pids: tuple[int, ...], grace: float, *, cgroup: Path | Non
     if left:
         escalated = True
         # children forked during the grace period are part of the engine too
-        targets |= await asyncio.to_thread(_members, left, cgroup)
+        targets |= allowed(await asyncio.to_thread(_members, left, cgroup))
         send(signal.SIGKILL)
         left = await wait_gone(after_sigkill)
     return KillResult(tuple(sorted(targets)), str(cgroup) if cgroup is not None else None, tuple(signals),
-                      escalated, not left, tuple(sorted(left)), time.monotonic() - t0)
+                      escalated, not left and not refused, tuple(sorted(left)), time.monotonic() - t0,
+                      tuple(refused[p] for p in sorted(refused)))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,23 @@ DEFAULT_GPU_PROCESS = {
 }
 
 
+# Command lines of processes that are no engine (init, a shell, a script, a tool): a
+# `cmdline` regex that matches the empty string or every one of these matches any process,
+# and a kill aimed by it could take anything (it resolved to PID 1).
+UNRELATED_COMMAND_LINES = ("/sbin/init", "sh", "python3 x.py", "ls -l")
+
+
+def matches_any_process(pattern: str) -> str | None:
+    """What shows that `pattern` matches any process ("an empty command line" or the
+    unrelated command line it matched first); None when it names something narrower."""
+    rx = re.compile(pattern)
+    if rx.search(""):
+        return "an empty command line"
+    if all(rx.search(line) for line in UNRELATED_COMMAND_LINES):
+        return repr(UNRELATED_COMMAND_LINES[0])
+    return None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -39,6 +56,9 @@ class ProcessMatch(_Strict):
     gpu_process: str | None = Field(
         None, description="regex (name or command line) of the descendant that owns the GPU; "
         "default per kind, else the main process")
+    user: str | int | None = Field(
+        None, description="the Unix user (name or uid) the engine runs as: its pid file may be owned by "
+        "it (else only root), and the process found must run as it")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "ProcessMatch":
@@ -53,6 +73,9 @@ class ProcessMatch(_Strict):
                     re.compile(pattern)
                 except re.error as exc:
                     raise ValueError(f"process.{key}: invalid regex {pattern!r}: {exc}") from None
+        if self.cmdline and (what := matches_any_process(self.cmdline)):
+            raise ValueError(f"process.cmdline: {self.cmdline!r} matches any process (it matches {what}); "
+                             "name the engine's own command line, e.g. 'vllm serve .*--port 8000'")
         return self
 
 

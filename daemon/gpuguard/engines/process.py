@@ -2,18 +2,24 @@
 restart the old one is gone or reused), and reading their CPU time and state from /proc.
 The engine is its main process and that process's descendants, or every process of its
 cgroup (a systemd unit's, or a configured one): never a process group or session, which
-may hold bystanders. Blocking; the watchdog calls `resolve` in a worker thread."""
+may hold bystanders. What is found must be the engine the config names: a pid file only
+root or the engine's user could have written, a process of that user, the unit's own
+cgroup, a `cmdline` regex narrower than "any process"; and never PID 1, gpuguard itself,
+its parents or a kernel thread (a root gpuguard aimed elsewhere by a pid file killed an
+unrelated tree). Blocking; the watchdog calls `resolve` in a worker thread."""
 from __future__ import annotations
 
 import os
+import pwd
 import re
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from gpuguard.engines.config import EngineConfig
+from gpuguard.engines.config import EngineConfig, matches_any_process
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -86,22 +92,129 @@ def _systemd_main_pid(unit: str, timeout: float = 2.0) -> int | None:
     return pid or None
 
 
-def _pid_file(path: Path) -> int | None:
+REFUSED = "refused, nothing signalled"
+PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread (include/linux/sched.h)
+
+
+def _user_name(uid: int) -> str:
     try:
-        text = path.read_text().strip()
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _kernel_thread(pid: int) -> bool:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        return bool(int(raw[raw.rfind(")") + 2:].split()[6]) & PF_KTHREAD)
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+class Protected:
+    """The processes no engine kill may touch, as they are now: PID 1, gpuguard itself, its
+    parents (a `cmdline` matched `timeout … python -m pytest …`, the shell that started
+    the run) and kernel threads. `why(pid)` -> the reason, or None."""
+
+    def __init__(self) -> None:
+        self.me = os.getpid()
+        self.parents: dict[int, str] = {}
+        try:
+            for p in psutil.Process(self.me).parents():
+                self.parents[p.pid] = _name(p)
+        except psutil.Error:
+            pass
+
+    def why(self, pid: int) -> str | None:
+        if pid <= 0:  # kill(0) and kill(-1) are gpuguard's own group and every process
+            return f"PID {pid} (not a process)"
+        if pid == 1:
+            return "PID 1 (init)"
+        if pid == self.me:
+            return f"PID {pid} (gpuguard itself)"
+        if pid in self.parents:
+            return f"PID {pid} (a parent of gpuguard: {self.parents[pid]})"
+        if _kernel_thread(pid):
+            return f"PID {pid} (a kernel thread)"
+        return None
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return "?"
+
+
+def protected(pid: int) -> str | None:
+    """Why `pid` is never an engine (PID 1, gpuguard, its parents, a kernel thread), or None."""
+    return Protected().why(pid)
+
+
+def engine_uid(cfg: EngineConfig) -> int | None:
+    """The uid of `process.user`, or None when none is configured."""
+    user = cfg.process.user
+    if user is None:
+        return None
+    if isinstance(user, int) or str(user).isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(str(user)).pw_uid
+    except KeyError:
+        raise ProcessLookupFailed(f"process.user {user!r}: no such user on this host; {REFUSED}") from None
+
+
+def _trusted_pid_file(path: Path, st: os.stat_result, uid: int | None, what: str = "") -> None:
+    """Only root or the engine's user may have written the file that aims the kill (or
+    gpuguard's own user, when it runs as another: it can signal no one else's processes)."""
+    me = os.geteuid()
+    allowed = {0, me} | ({uid} if uid is not None else set())
+    if st.st_uid not in allowed:
+        mine = (f"the engine's user {_user_name(uid)} (uid {uid})" if uid is not None
+                else "the engine's user (process.user)")
+        ours = f", gpuguard's user {_user_name(me)}" if me else ""
+        raise ProcessLookupFailed(f"pid file {path}{what} is owned by {_user_name(st.st_uid)} (uid {st.st_uid}), "
+                                  f"not by root{ours} or {mine}: anyone else may have written it; {REFUSED}")
+    writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+    if writable and not stat.S_ISLNK(st.st_mode):
+        raise ProcessLookupFailed(f"pid file {path} is writable by {' and '.join(writable)} "
+                                  f"(mode {stat.S_IMODE(st.st_mode):04o}): anyone else may have written it; "
+                                  f"chmod go-w it; {REFUSED}")
+
+
+def _pid_file(path: Path, uid: int | None = None) -> int | None:
+    try:
+        link = os.lstat(path)
+        if stat.S_ISLNK(link.st_mode):  # a link planted beside the file aims as well as the file
+            _trusted_pid_file(path, link, uid, " (a symlink)")
+        # non-blocking: a FIFO planted at this path must not wedge the lookup
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise ProcessLookupFailed(f"pid file {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        _trusted_pid_file(path, st, uid)
+        if not stat.S_ISREG(st.st_mode):
+            raise ProcessLookupFailed(f"pid file {path}: " + ("Is a directory" if stat.S_ISDIR(st.st_mode)
+                                                              else f"not a regular file; {REFUSED}"))
+        text = os.read(fd, 4096).decode(errors="replace").strip()
+    except OSError as exc:
+        raise ProcessLookupFailed(f"pid file {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     if not text.isdigit():
         raise ProcessLookupFailed(f"pid file {path}: {text[:40]!r} is not a PID; fix or remove it")
     pid = int(text)
+    if pid <= 1:  # before anything reads its tree: PID 1's is every process
+        raise ProcessLookupFailed(f"pid file {path} names {Protected().why(pid)}, never an engine; {REFUSED}")
     try:
         started = psutil.Process(pid).create_time()
     except psutil.NoSuchProcess:
         return None
     # A PID reused after the engine died started after its pid file was written: stale.
-    if started > path.stat().st_mtime + 2.0:
+    if started > st.st_mtime + 2.0:
         return None
     return pid
 
@@ -122,14 +235,18 @@ def _is_shell_script(argv: list[str]) -> bool:
     return bool(argv) and os.path.basename(argv[0]) in SHELLS and "-c" in argv[1:3]
 
 
-def _by_cmdline(pattern: str) -> int | None:
+def _by_cmdline(pattern: str, uid: int | None = None) -> int | None:
+    if what := matches_any_process(pattern):  # a config that skipped validation
+        raise ProcessLookupFailed(f"cmdline {pattern!r} matches any process (it matches {what}); {REFUSED}")
     rx = re.compile(pattern)
-    me = os.getpid()
+    never = Protected()
     matches: dict[int, psutil.Process] = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
+    for p in psutil.process_iter(["pid", "cmdline", "uids"]):
         argv = p.info.get("cmdline") or []
         cmd = " ".join(argv)
-        if p.pid != me and cmd and rx.search(cmd) and not _is_shell_script(argv):
+        if uid is not None and (p.info.get("uids") is None or p.info["uids"].real != uid):
+            continue
+        if cmd and rx.search(cmd) and not _is_shell_script(argv) and never.why(p.pid) is None:
             matches[p.pid] = p
     if not matches:
         return None
@@ -196,8 +313,47 @@ def find_main_pid(cfg: EngineConfig) -> int | None:
     if m.cgroup:
         return _cgroup_main(m.cgroup)
     if m.pid_file:
-        return _pid_file(m.pid_file)
-    return _by_cmdline(m.cmdline or "")
+        return _pid_file(m.pid_file, engine_uid(cfg))
+    return _by_cmdline(m.cmdline or "", engine_uid(cfg))
+
+
+def _found_by(cfg: EngineConfig, pid: int) -> str:
+    m = cfg.process
+    return (f"unit {m.systemd_unit}'s MainPID {pid}" if m.systemd_unit else
+            f"cgroup {m.cgroup}'s main PID {pid}" if m.cgroup else
+            f"pid file {m.pid_file} names PID {pid}" if m.pid_file else
+            f"cmdline /{m.cmdline}/ matched PID {pid}")
+
+
+def _in_cgroup(folder: Path, pid: int) -> bool:
+    """Whether `pid` is in the cgroup at `folder` or one below it (a unit may delegate)."""
+    for dirpath, _dirs, files in os.walk(folder):
+        if "cgroup.procs" in files and pid in (cgroup_procs(Path(dirpath)) or ()):
+            return True
+    return False
+
+
+def _check_identity(cfg: EngineConfig, pid: int, pids: tuple[int, ...], folder: Path | None) -> None:
+    """The processes found are the engine the config names, or nothing is (raises)."""
+    never = Protected()
+    if why := never.why(pid):
+        raise ProcessLookupFailed(f"{_found_by(cfg, pid)}: {why}, never an engine; {REFUSED}")
+    uid = engine_uid(cfg)
+    if uid is not None:
+        try:
+            real = psutil.Process(pid).uids().real
+        except psutil.Error:
+            real = None
+        if real is not None and real != uid:
+            raise ProcessLookupFailed(f"{_found_by(cfg, pid)}, which runs as {_user_name(real)} "
+                                      f"(uid {real}), not as the engine's user {_user_name(uid)} (uid {uid}); {REFUSED}")
+    if cfg.process.systemd_unit and folder is not None and not _in_cgroup(folder, pid):
+        raise ProcessLookupFailed(f"unit {cfg.process.systemd_unit}: MainPID {pid} is not in the unit's cgroup "
+                                  f"{folder}; {REFUSED}")
+    for other in pids:  # a cgroup holding init or gpuguard is no engine's
+        if other != pid and (why := never.why(other)):
+            where = f"cgroup {folder}" if folder is not None else f"the process tree of PID {pid}"
+            raise ProcessLookupFailed(f"{where} holds {why}: not an engine's; {REFUSED}")
 
 
 # The option that bounds one step's prompt batch, per kind, and its default (llama.cpp
@@ -244,6 +400,7 @@ def resolve(cfg: EngineConfig, proc: Path = Path("/proc")) -> EngineProcesses | 
     if folder is not None:
         members = cgroup_procs(folder) or []
         pids = pids + tuple(p for p in members if p not in pids)
+    _check_identity(cfg, pid, pids, Path(folder) if folder is not None else None)
     gpu_pid, note = pid, ""
     pattern = cfg.gpu_process_pattern
     if pattern and kids:

@@ -23,6 +23,7 @@ from gpuguard.engines.process import EngineProcesses, ProcessLookupFailed, resol
 from gpuguard.engines.restarts import RestartLedger
 from gpuguard.engines.snapshot import EngineSnapshot
 from gpuguard.engines.stall import Observation, StallSettings, StallTracker, Verdict
+from gpuguard.state.audit import EngineAction, Outcome
 from gpuguard.state.events import Event
 
 log = logging.getLogger("gpuguard.engines")
@@ -77,7 +78,7 @@ PAUSE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 120
 
 
 class EngineWatchdog:
-    def __init__(self, configs: Sequence[EngineConfig], audit: Callable[[dict], None],
+    def __init__(self, configs: Sequence[EngineConfig], audit: Callable[[EngineAction], None],
                  publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time,
                  attribution: GpuAttribution | None = None, incidents: IncidentStore | None = None,
                  gpu_telemetry: Callable[[Sequence[str]], dict[str, dict]] | None = None) -> None:
@@ -211,10 +212,12 @@ class EngineWatchdog:
 
     async def kill_asked(self, name: str, who: str) -> KillResult | None:
         """The same SIGTERM → grace → SIGKILL → verify-gone as a policy kill, audited with
-        `who`; None when the engine has no process to kill."""
+        `who`; None when the engine has no process to kill. Raises ProcessLookupFailed when
+        what was found may not be killed (a pid file someone else wrote, PID 1, ...): the
+        caller says why."""
         e = self._engines[name]
         async with e.lock:
-            procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
+            procs = await asyncio.to_thread(resolve, e.cfg)
             if procs is None:
                 return None
             evidence = dict(e.snapshot.evidence) if e.snapshot else {}
@@ -236,7 +239,8 @@ class EngineWatchdog:
         self._actions[(cfg.name, "quarantine", "api")] += 1
         self._audit(e, "quarantine", "api", who,
                     {"cache": cache_name, "zero_byte_files": scan.zero_byte_files, "files": scan.files},
-                    {"from": str(cache.path), "to": str(target)}, self._clock())
+                    {"from": str(cache.path), "to": str(target)}, self._clock(),
+                    "ok", f"renamed {cache.path} -> {target}")
         return {"from": str(cache.path), "to": str(target), "zero_byte_files": scan.zero_byte_files}
 
     # -- GPU attribution -----------------------------------------------------------------
@@ -575,12 +579,16 @@ class EngineWatchdog:
         result = await kill_engine(procs.pids, cfg.grace, cgroup=procs.cgroup)
         self._actions[(cfg.name, "kill", reason)] += 1
         e.last_action = f"kill ({reason})"
-        self._audit(e, "kill", reason, who, evidence, result.to_dict(), now)
+        why_not = ([f"still alive: {list(result.survivors)}"] if result.survivors else []) + (
+            [f"not signalled: {'; '.join(result.refused)}"] if result.refused else [])
+        self._audit(e, "kill", reason, who, evidence, result.to_dict(), now, "gone" if result.gone else "not gone",
+                    "; ".join(why_not))
         sev = "critical" if not result.gone else "alert"
         how = "SIGTERM then SIGKILL" if result.escalated else "SIGTERM"
         self._event(e, "engine_killed", sev,
                     f"engine {cfg.name} killed ({reason}) with {how} in {result.seconds:.2f} s"
-                    + ("" if result.gone else f"; STILL ALIVE: {list(result.survivors)}"),
+                    + ("" if not result.survivors else f"; STILL ALIVE: {list(result.survivors)}")
+                    + ("" if not result.refused else f"; NOT SIGNALLED: {'; '.join(result.refused)}"),
                     reason=reason, result=result.to_dict())
         return result
 
@@ -606,15 +614,17 @@ class EngineWatchdog:
         e.last_action = f"restart ({reason})"
         failed = res.returncode != 0
         if failed:
-            self._audit(e, "restart", reason, who, evidence, {**out, "outcome": "command failed"}, now)
+            self._audit(e, "restart", reason, who, evidence, {**out, "outcome": "command failed"}, now, "failed",
+                        f"restart command exited {res.returncode}" if res.returncode is not None
+                        else f"restart command {res.output}", res.returncode)
             self._event(e, "engine_restart_failed", "critical",
                         f"engine {cfg.name}: restart ({reason}) command {' '.join(argv)} failed: "
                         f"{res.returncode if res.returncode is not None else res.output}", reason=reason, result=out)
             return out
         e.tracker.mark_starting()
         e.restart_pending = (now, reason, procs.main_pid if procs else None)
-        self._audit(e, "restart", reason, who, evidence,
-                    {**out, "outcome": f"command ran; waiting up to {cfg.ready_timeout:g} s for a new ready process"}, now)
+        waiting = f"command ran; waiting up to {cfg.ready_timeout:g} s for a new ready process"
+        self._audit(e, "restart", reason, who, evidence, {**out, "outcome": waiting}, now, "ok", waiting, res.returncode)
         self._event(e, "engine_restarting", "alert",
                     f"engine {cfg.name}: restart ({reason}) with {' '.join(argv)}; waiting for it to come back",
                     reason=reason, result=out)
@@ -630,7 +640,8 @@ class EngineWatchdog:
             e.restart_pending = None
             secs = now - at
             self._audit(e, "restart", reason, "policy", {}, {"outcome": "came back", "pid": procs.main_pid,
-                                                             "seconds": round(secs, 3)}, now)
+                                                             "seconds": round(secs, 3)}, now,
+                        "ok", f"came back as PID {procs.main_pid} in {secs:.1f} s")
             self._event(e, "engine_restarted", "info",
                         f"engine {cfg.name} came back as PID {procs.main_pid} {secs:.1f} s after the restart ({reason})",
                         reason=reason, pid=procs.main_pid, seconds=round(secs, 3))
@@ -638,7 +649,8 @@ class EngineWatchdog:
             e.restart_pending = None
             what = ("no process" if procs is None else
                     f"PID {procs.main_pid} not ready" if procs.main_pid != old else f"still the old PID {old}")
-            self._audit(e, "restart", reason, "policy", {}, {"outcome": "did not come back", "state": what}, now)
+            self._audit(e, "restart", reason, "policy", {}, {"outcome": "did not come back", "state": what}, now,
+                        "failed", f"did not come back within {cfg.ready_timeout:g} s: {what}")
             self._event(e, "engine_restart_failed", "critical",
                         f"engine {cfg.name} did not come back within {cfg.ready_timeout:g} s of the restart "
                         f"({reason}): {what}", reason=reason, state=what)
@@ -659,7 +671,11 @@ class EngineWatchdog:
 
         async def one(e: _Engine) -> None:
             async with e.lock:
-                procs = await asyncio.to_thread(_resolve_quiet, e.cfg)
+                try:
+                    procs = await asyncio.to_thread(resolve, e.cfg)
+                except ProcessLookupFailed as exc:  # not "gone": nothing was signalled
+                    out[e.cfg.name] = {"gone": False, "refused": [str(exc)], "note": "nothing signalled"}
+                    return
                 if procs is None:
                     out[e.cfg.name] = {"gone": True, "note": "no process running"}
                     return
@@ -719,16 +735,19 @@ class EngineWatchdog:
             self._audit(e, "quarantine", reason, "policy",
                         {"cache": name, "zero_byte_files": scan.zero_byte_files, "files": scan.files,
                          "examples": list(scan.examples), "restarts": loop.count, "window_seconds": loop.window},
-                        {"from": str(scan.path), "to": str(target)}, now)
+                        {"from": str(scan.path), "to": str(target)}, now, "ok", f"renamed {scan.path} -> {target}")
             self._event(e, "cache_quarantined", "alert",
                         f"cache {name} quarantined: {scan.path} -> {target} ({scan.zero_byte_files} zero-byte files)",
                         cache=name, path=str(target))
         await self._scan_caches(e, now)
 
     # -- sinks ---------------------------------------------------------------------------
-    def _audit(self, e: _Engine, what: str, why: str, who: str, evidence: dict, result: dict, now: float) -> None:
-        record = {"what": what, "why": why, "who": who, "engine": e.cfg.name, "kind": e.cfg.kind,
-                  "gpus": list(self._gpu_names(e)), "evidence": evidence, "result": result, "time": now}
+    def _audit(self, e: _Engine, what: str, why: str, who: str, evidence: dict, result: dict, now: float,
+               outcome: Outcome, detail: str = "", returncode: int | None = None) -> None:
+        """Hand the action and its real outcome to the audit sink (state/audit.EngineAction)."""
+        record = EngineAction(what=what, why=why, who=who, engine=e.cfg.name, kind=e.cfg.kind, outcome=outcome,
+                              detail=detail, returncode=returncode, gpus=tuple(self._gpu_names(e)),
+                              evidence=evidence, result=result, time=now)
         try:
             self._audit_sink(record)
         except Exception:  # noqa: BLE001 - a broken audit sink is logged, the action stands

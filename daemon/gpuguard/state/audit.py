@@ -10,7 +10,9 @@ Written by whatever acts — the engine watchdog's kills, profile applies, the c
 so it sits with the daemon's state, below all of them. The profile applier speaks in flat
 records (`{"action": "write", "who", "why", "gpu", "bdf", "file", "value", ...}`):
 `profile_record` files them as `profile_<action>` with the rest as evidence, and
-`profile_records` reads them back flat (tests, `gpuguard apply`).
+`profile_records` reads them back flat (tests, `gpuguard apply`). The engine watchdog
+hands over typed `EngineAction` values carrying the action's real outcome, and
+`engine_action` is the one place they become audit lines.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 log = logging.getLogger("gpuguard.audit")
 
@@ -33,6 +37,49 @@ AUDIT_FILE = "audit.jsonl"
 RESERVE_BYTES = 64 * 1024
 # the fields of a flat profile record that are the audit record's own; the rest is evidence
 _PROFILE_TOP = ("action", "who", "why", "gpu", "result")
+
+
+Outcome = Literal["ok", "failed", "gone", "not gone"]
+
+
+@dataclass(frozen=True)
+class EngineAction(Mapping):
+    """One action the engine watchdog took (kill, restart, quarantine) and what came of it:
+    `outcome` is what happened, never assumed — "gone" / "not gone" for a kill, "ok" or
+    "failed" (with the command's `returncode` where one ran) for the rest; `detail` says
+    it in words. Reads as a mapping of its fields too (tests and tools read records so)."""
+
+    what: str  # kill | restart | quarantine
+    why: str
+    who: str
+    engine: str
+    kind: str
+    outcome: Outcome
+    detail: str = ""
+    returncode: int | None = None
+    gpus: tuple[str, ...] = ()
+    evidence: dict = field(default_factory=dict)
+    result: dict = field(default_factory=dict)  # the action's own record (KillResult, the command, ...)
+    time: float = 0.0  # when the watchdog decided it (the record's own time is when it is written)
+
+    @property
+    def result_text(self) -> str:
+        """The audit record's `result`: "failed: restart command exited 1", "gone", ..."""
+        return f"{self.outcome}: {self.detail}" if self.detail else self.outcome
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class AuditUnavailable(Exception):
@@ -175,6 +222,15 @@ class AuditLog:
             target=record.get("gpu"),
             evidence={k: v for k, v in record.items() if k not in _PROFILE_TOP},
             result=str(record.get("result", "ok")),
+        )
+
+    def engine_action(self, action: EngineAction) -> dict[str, Any]:
+        """File one engine action as `engine.<what>` with its outcome as the result."""
+        return self.record(
+            f"engine.{action.what}", action.who, action.why, target=action.engine,
+            evidence={"evidence": action.evidence, "gpus": list(action.gpus), "kind": action.kind,
+                      "result": action.result, "returncode": action.returncode},
+            result=action.result_text,
         )
 
     def profile_started(self, gpu: str, profile: str, who: str, why: str) -> None:
