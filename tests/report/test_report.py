@@ -263,3 +263,15 @@ def test_report_at_a_moment_given_as_iso_time(recorders, tmp_path):
     assert bad.returncode == 2 and "'yesterday-ish' is not a time" in bad.stderr and "Traceback" not in bad.stderr
     both = gpuguard("report", "--db", db, "--at", iso, "--event", "1")
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e308", "-5"])
+def test_report_at_a_moment_that_is_no_time_says_so_and_exits_2(tmp_path, text):
+    # `gpuguard report --at nan` went on to time.localtime and ended in a traceback
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "gpuguard", "report", f"--at={text}", "--db", str(tmp_path / "none.sqlite")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and f"{text!r} is not a time" in r.stderr, r.stderr

@@ -41,13 +41,23 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
+# A moment is a finite unix time a clock can print: `at=nan`, `inf` or 1e308 reached
+# time.localtime and failed there; year 9999 is the last one it formats everywhere.
+UNIX_TIME_MAX = 253402300799.0
+
+
 def parse_time(text: str) -> float:
     """A unix time (`1764583274.5`), an ISO time (`2026-12-01T03:01:14`, local unless it
     says Z/+hh:mm) or a time ago (`10m` = ten minutes before now)."""
     try:
-        return float(text)
+        t = float(text)
     except ValueError:
         pass
+    else:
+        if not 0 <= t <= UNIX_TIME_MAX:  # False for nan too
+            raise ValueError(f"{text!r} is not a time (a unix time between 0 and {UNIX_TIME_MAX:.0f}, "
+                             "2026-12-01T03:01:14, or an age like 10m)")
+        return t
     try:
         return time.time() - parse_duration(text)
     except ValueError:

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from gpuguard.report.history import ENGINE_SERIES, GPU_SERIES, FlightLog, HistoryError
+from gpuguard.report.history import ENGINE_SERIES, GPU_SERIES, UNIX_TIME_MAX, FlightLog, HistoryError
 from gpuguard.sinks.read_api import Query, query, read_route
 from gpuguard.sinks.recorder import FlightRecorder
 
@@ -151,11 +151,7 @@ def bucketed(flight: FlightLog, start: float, end: float, points: int, gpu: str 
     return {"start": start, "end": end, "step": step, "gpus": gpus, "engines": engines, "events": events}
 
 
-# A moment is a finite unix time a clock can print: `at=nan`, `inf` or 1e308 reached
-# time.localtime and answered 500; year 9999 is the last one it formats everywhere.
-UNIX_TIME_MAX = 253402300799.0
-
-
+# `at=nan`, `inf` or 1e308 answered 500: a moment is a finite unix time (UNIX_TIME_MAX).
 def _moment(description: str) -> Any:
     return Field(None, ge=0, le=UNIX_TIME_MAX, allow_inf_nan=False, description=description)
 
