@@ -139,8 +139,12 @@ class Daemon:
                                           gpu_names=self.gpus.names)
         self.pcie = PcieWalker(self.hub, self.root, interval=config.poll.pcie_interval_seconds,
                                assess=self.pcie_findings.assess, publish=self.pcie_findings.publish)
-        self.metrics.add("pcie", PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect,
-                         inputs=lambda: same_objects(self.hub.view("pcie")) + tuple(sorted(self.gpus.names().items())))
+        # the walk plus the last walk of each lost GPU (policy/pcie_findings.py): a vanished
+        # card's series stay, marked, until it is back and walked again
+        self.metrics.add("pcie", PcieCollector(latest=lambda: self.pcie_findings.reported, gpu_names=self.gpus.names,
+                                               held=lambda: self.pcie_findings.held).collect,
+                         inputs=lambda: same_objects(self.pcie_findings.reported) + tuple(sorted(self.pcie_findings.held))
+                         + tuple(sorted(self.gpus.names().items())))
         self.kernel_actions = KernelActions(self.gpus, self.poller.request_discovery)
         # a GPU lost by any route kills its engines; back, they are restarted (policy/gpu_lifecycle.py)
         self.lifecycle = GpuLifecycle(

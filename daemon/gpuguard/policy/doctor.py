@@ -32,6 +32,7 @@ class Finding:
     what: str
     where: str  # bdf, pair "a ↔ b", or "host"
     todo: str = ""
+    gpu_lost: bool = False  # the GPU is lost: this is what its last walk found (policy/pcie_findings.py)
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -42,7 +43,8 @@ class Finding:
         return f"{self.level:<4} {self.check:<11} {self.where}: {self.what}{tail}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"level": self.level, "check": self.check, "what": self.what, "where": self.where, "todo": self.todo}
+        return {"level": self.level, "check": self.check, "what": self.what, "where": self.where, "todo": self.todo,
+                "gpu_lost": self.gpu_lost}
 
 
 def exit_status(findings: Iterable[Finding]) -> int:
