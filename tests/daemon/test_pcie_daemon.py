@@ -1,7 +1,13 @@
 """The PCIe findings of the running daemon on the FUSE-mounted simulated incident host (real
-errno, real processes, a real webhook receiver): a runtime-suspended card's unreadable
-files are not a telemetry fault."""
+errno, real processes, a real webhook receiver, the real /dev/kmsg): a runtime-suspended
+card's unreadable files are not a telemetry fault; a P2P refusal the kernel logs is the
+pair's verdict everywhere."""
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -68,3 +74,61 @@ def test_a_runtime_suspended_gpu_is_no_telemetry_fault_and_sends_no_alert(sim, s
     assert [b["event"]["kind"] for _, b in hook.got if b["event"]["kind"] in ("pcie_telemetry", "pcie_read")] == []
     # the receiver is live: the walk's real alert reached it
     assert [e["bdf"] for _, e in hook.events("pcie_expect_link")] == [R9700[0]]
+
+
+REFUSAL = "amdgpu 0000:08:00.0: amdgpu: PCIe P2P access from peer device 0000:05:00.0 is not supported by the chipset"
+
+
+def _kmsg_write(line: str) -> None:
+    # one write per record, with the newline that closes it (an open record is not seen)
+    with open("/dev/kmsg", "w") as f:
+        f.write(line + "\n")
+
+
+def r9700_pair(d) -> dict | None:
+    r = httpx.get(f"{d.base}/v1/pcie", timeout=5)
+    if r.status_code != 200:
+        return None
+    doc = r.json()
+    pair = next(p for p in doc["pairs"] if {p["a"], p["b"]} == set(R9700))
+    finding = next(f for f in doc["findings"] if f["check"] == "pair" and f["where"] == f"{R9700[0]} ↔ {R9700[1]}")
+    return {"pair": pair, "finding": finding}
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not os.access("/dev/kmsg", os.W_OK), reason="needs root: writes to /dev/kmsg")
+def test_a_p2p_refusal_the_daemon_reads_is_that_pairs_verdict_everywhere(sim, start_daemon, wait_for, tmp_path):
+    """amdgpu's "PCIe P2P access from peer device … is not supported by the chipset" became a
+    `p2p_unsupported` event while /v1/pcie (and the page, which draws it) kept the old
+    reason until the next walk (a minute by default), a restarted daemon (which resumes the
+    kernel log after the line) and `doctor` never gave it. The refusal is the pair's
+    verdict at once, across a restart, and in doctor reading the daemon's state folder."""
+    config = NAMES.replace("pcie_interval_seconds: 1", "pcie_interval_seconds: 3600").replace(
+        "kernel: {enabled: false}", "kernel: {allow_userspace: true, udev: false}")
+    d = start_daemon(sim.mount, config)
+    first = wait_for(lambda: r9700_pair(d), timeout=60, what="the first PCIe walk")
+    assert "kernel refused" not in first["pair"]["verdict"]
+    _kmsg_write(f"<4>{REFUSAL}")
+    wait_for(lambda: any(e["kind"] == "p2p_unsupported" and e["bdf"] == R9700[1]
+                         for e in httpx.get(f"{d.base}/v1/events", timeout=5).json()), timeout=30, what="the event")
+    refused = f"kernel refused it: {REFUSAL}"
+
+    def verdict_has_it():
+        now = r9700_pair(d)
+        return now if now and refused in now["pair"]["verdict"] else None
+
+    now = wait_for(verdict_has_it, timeout=30, what="the refusal in the pair's verdict without waiting for the hour's walk")
+    way = {(x["from"], x["to"]): x for x in now["pair"]["directions"]}
+    assert way[(R9700[0], R9700[1])]["possible"] is False and way[(R9700[0], R9700[1])]["reason"] == refused
+    assert refused in now["finding"]["what"] and now["finding"]["level"] == "WARN"
+    assert d.value("gpuguard_gpu_pair_p2p", a="r9700-a", b="r9700-b", direction="a_to_b") == 0.0
+    # doctor without --kernel-log, on the daemon's state folder (the config names it)
+    doc = subprocess.run([sys.executable, "-m", "gpuguard", "doctor", "--config", str(d.config),
+                          "--sysfs-root", str(sim.mount), "--json"], capture_output=True, text=True, timeout=120)
+    pair = [f for f in json.loads(doc.stdout)["findings"] if f["where"] == f"{R9700[0]} ↔ {R9700[1]}"]
+    assert pair and refused in pair[0]["what"], doc.stdout + doc.stderr
+    # a restarted daemon resumes the kernel log after the line: the verdict stays
+    assert d.stop() == 0
+    d2 = start_daemon(sim.mount, config)
+    again = wait_for(lambda: r9700_pair(d2), timeout=60, what="the restarted daemon's first walk")
+    assert refused in again["pair"]["verdict"]

@@ -24,7 +24,8 @@ from gpuguard.hw.pcie_model import GpuPair, GpuPath
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.hw.sysfs import SysfsRoot
 from gpuguard.policy.doctor import Finding, diagnose, events
-from gpuguard.policy.link_history import LinkHistory, boot_time
+from gpuguard.pcie_walker import KERNEL_KINDS
+from gpuguard.policy.link_history import KernelLines, LinkHistory, boot_time
 from gpuguard.state.conditions import Conditions
 from gpuguard.state.events import Event
 from gpuguard.state.gpus import PRESENT
@@ -79,6 +80,7 @@ class PcieFindings:
         clock: Callable[[], float] = time.time,
         history_path: str | None = None,
         gpu_names: Callable[[], Mapping[str, str]] = dict,
+        kernel_path: str | None = None,
     ) -> None:
         self.hub = hub
         self.root = root
@@ -87,6 +89,10 @@ class PcieFindings:
         self.gpu_names = gpu_names  # bdf -> configured name, so events carry `gpu`
         self.conditions = Conditions(raise_after=1, clear_after=clear_after)
         self.history = LinkHistory(history_path, boot_time(root) if history_path else None)
+        # the kernel's P2P refusals and BAR figures the daemon read (the walker's input):
+        # kept across restarts, for doctor too (policy/link_history.py)
+        self.kernel = KernelLines(kernel_path, boot_time(root) if kernel_path else None)
+        hub.on_event(self._kernel_event)
         # each GPU's last walk while present: what a lost GPU keeps
         # (the one kept, the newest)
         self._walks: dict[str, tuple[_Walked, _Walked]] = {}
@@ -99,8 +105,17 @@ class PcieFindings:
     def seen_under_load(self) -> dict[tuple[str, str, str], tuple[float, float]]:
         return self.history.seen
 
+    def _kernel_event(self, ev: Event) -> None:
+        if ev.source == "kernel" and ev.kind in KERNEL_KINDS:
+            self.kernel.add(ev.message, ev.time)
+
+    def kernel_lines(self) -> list[str]:
+        """The walk's kernel lines (PcieWalker's `kernel_lines`)."""
+        return self.kernel.lines()
+
     def assess(self, report: PcieReport) -> list[Finding]:
         """The findings on `report` (reads sysfs: runs in the walker's thread)."""
+        self.kernel.flush()
         self.history.update(report, self.clock())
         return diagnose(self.root, report, self.expected(), seen_under_load=dict(self.history.seen))
 
