@@ -132,3 +132,37 @@ def test_a_p2p_refusal_the_daemon_reads_is_that_pairs_verdict_everywhere(sim, st
     d2 = start_daemon(sim.mount, config)
     again = wait_for(lambda: r9700_pair(d2), timeout=60, what="the restarted daemon's first walk")
     assert refused in again["pair"]["verdict"]
+
+
+def test_a_lost_gpu_keeps_its_pcie_findings_and_series_while_lost(sim, start_daemon, wait_for):
+    """`sim lose xtx-1`: ~10 s later pcie_link_cleared ("cleared: … downgraded under load"),
+    pcie_bar_cleared, pcie_pair_cleared, and the Gen2 alert's series gone. The daemon keeps
+    them, marked, while the card is lost."""
+    for b in XTX:
+        sim.ctl("set_load", bdf=b, level=1.0)
+    sim.ctl("step", dt=5.0)
+    d = start_daemon(sim.mount, NAMES)
+
+    def link_alert():
+        return [e for e in httpx.get(f"{d.base}/v1/events", timeout=5).json()
+                if e["kind"] == "pcie_link" and e["gpu"] == "xtx-1"]
+
+    wait_for(link_alert, timeout=60, what="xtx-1's downgrade alert")
+    before = {(f["check"], f["where"]) for f in findings_of(d, XTX[1]) if f["level"] != "OK"}
+    sim.ctl("lose_gpu", bdf=XTX[1])
+    sim.ctl("step", dt=0.5)  # the board leaves the bus
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu="xtx-1") == 0.0, timeout=30, what="xtx-1 down")
+    seen = walks(d)
+    wait_for(lambda: walks(d) >= seen + 4, timeout=60, what="four walks without xtx-1")
+    assert httpx.get(f"{d.base}/v1/pcie", timeout=5).json()["gpus"] and not any(
+        g["bdf"] == XTX[1] for g in httpx.get(f"{d.base}/v1/pcie", timeout=5).json()["gpus"])
+    events = httpx.get(f"{d.base}/v1/events", timeout=5).json()
+    assert [e["kind"] for e in events if e["kind"].endswith("_cleared")] == []
+    held = [f for f in findings_of(d, XTX[1]) if f["level"] != "OK"]
+    assert {(f["check"], f["where"]) for f in held} == before and all(f["gpu_lost"] for f in held)
+    assert all(f["what"].startswith("GPU lost since ") for f in held)
+    assert d.value("gpuguard_gpu_pcie_held", gpu="xtx-1") == 1.0
+    assert d.value("gpuguard_gpu_pcie_held", gpu="xtx-0") == 0.0
+    m = d.metrics()
+    assert any(n == "gpuguard_pcie_link_downgraded" and dict(lab)["gpu"] == "xtx-1" and v == 1.0
+               for (n, lab), v in m.items())
