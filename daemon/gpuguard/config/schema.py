@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuguard.engines.config import EngineConfig
-from gpuguard.hw.pci_address import parse_bdf as normalise_bdf, parse_pci_id
+from gpuguard.hw.pci_address import is_canonical, parse_bdf as normalise_bdf, parse_pci_id
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.kernel.config import KernelConfig
 from gpuguard.profiles.schema import ApplyConfig, Profile, assignment_problems
@@ -73,6 +73,16 @@ class GpuEntry(Strict):
     # INCIDENTS §4: what the slot link must train to; a mismatch is an alert.
     expect_link: ExpectedLink | None = None
 
+    @field_validator("name")
+    @classmethod
+    def _not_an_address(cls, v: str) -> str:
+        # an unnamed GPU is called by its PCI address (state/identity.default_name): a
+        # configured name that is one would be read as another card's
+        if is_canonical(v):
+            raise ValueError(f"{v!r} is a PCI address, the name of a GPU no entry names; give a name "
+                             "(xtx-0) and put the address in match: {bdf: ...}")
+        return v
+
 
 class LoggingConfig(Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -133,7 +143,12 @@ class Config(Strict):
             raise ValueError(f"engine name(s) used twice in engines: {', '.join(dup)}")
         gpu_names = {g.name for g in self.gpus}
         for e in self.engines:
-            unknown = [g for g in e.gpus if g not in gpu_names and not g.startswith("card")]
+            old = [g for g in e.gpus if g not in gpu_names and g.startswith("card") and is_canonical(g[4:])]
+            if old:
+                # unnamed GPUs were `card` + address once; that name now matches no GPU
+                raise ValueError(f"engine {e.name}: gpus {old}: a GPU without a configured name is called by its "
+                                 f"PCI address: write {[g[4:] for g in old]}")
+            unknown = [g for g in e.gpus if g not in gpu_names and not is_canonical(g)]
             if unknown and gpu_names:
                 raise ValueError(f"engine {e.name}: gpus {unknown} are not names in gpus: ({', '.join(sorted(gpu_names))})")
         return self

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gpuguard.hw.pcie_model import PcieReport
+from gpuguard.state.identity import default_name
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Sample:
 def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType({}),
             only: str | None = None, held: frozenset[str] = frozenset()) -> Iterator[Sample]:
     """The PCIe metrics of reference/METRICS.md from one report. `gpu_names[bdf]` is the
-    configured name (default `card` + PCI address). A value that is unknown is left out,
+    configured name (default: the PCI address, state/identity.default_name). A value that is unknown is left out,
     never exported as zero. `only`: that family's samples alone (the others not built).
     `held`: GPUs whose series are from their last walk before they were lost."""
     every = only is None
@@ -36,9 +37,9 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
     behind: dict[str, list[str]] = {}
     for g in report.gpus:
         for h in g.hops:
-            behind.setdefault(h.bdf, []).append(gpu_names.get(g.bdf, f"card{g.bdf}"))
+            behind.setdefault(h.bdf, []).append(gpu_names.get(g.bdf, default_name(g.bdf)))
     for g in report.gpus:
-        gpu = gpu_names.get(g.bdf, f"card{g.bdf}")
+        gpu = gpu_names.get(g.bdf, default_name(g.bdf))
         for i, h in enumerate(g.hops):
             lab = {"gpu": gpu, "bdf": h.bdf, "hop": str(i), "role": h.role}
             for name, v in (
@@ -72,7 +73,7 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
     if not (every or only == "gpuguard_gpu_pair_p2p"):
         return
     for p in report.pairs:
-        a, b = gpu_names.get(p.a, f"card{p.a}"), gpu_names.get(p.b, f"card{p.b}")
+        a, b = gpu_names.get(p.a, default_name(p.a)), gpu_names.get(p.b, default_name(p.b))
         for d in p.directions:
             if d.possible is None:
                 continue  # unknown is left out, never a zero
