@@ -32,12 +32,12 @@ from gpuguard.state.gpus import PRESENT
 from gpuguard.state.hub import Hub
 
 
-def about(f: Finding, bdf: str) -> bool:
-    """The finding is about that GPU: placed at it or on its path (`<bdf> link …`), or a
-    pair it is in."""
+def gpus_of(f: Finding) -> tuple[str, ...]:
+    """The GPUs a finding is about: the one it is placed at or on the path of (`<bdf> link
+    …`), the two of a pair; a host finding names none."""
     if f.check == "pair":
-        return bdf in f.where.split(" ↔ ")
-    return f.where.split(" ", 1)[0] == bdf
+        return tuple(f.where.split(" ↔ "))
+    return (f.where.split(" ", 1)[0],)
 
 
 def conditions(findings: Sequence[Finding]) -> dict[tuple, Event]:
@@ -148,10 +148,20 @@ class PcieFindings:
         for bdf in list(self._walks):
             if bdf not in gone and report.gpu(bdf) is None:
                 del self._walks[bdf]  # history (moved away): nothing to keep
+        # grouped once: at 32 GPUs a walk has ~750 findings, 496 of them pairs
+        by_gpu: dict[str, list[Finding]] = {}
+        for f in findings:
+            if not gone.intersection(gpus_of(f)):
+                for b in gpus_of(f):
+                    by_gpu.setdefault(b, []).append(f)
+        pairs_of: dict[str, list[GpuPair]] = {}
+        for p in report.pairs:
+            if p.a not in gone and p.b not in gone:
+                pairs_of.setdefault(p.a, []).append(p)
+                pairs_of.setdefault(p.b, []).append(p)
         for g in report.gpus:
             if g.bdf not in gone:
-                pairs = tuple(p for p in report.pairs if g.bdf in (p.a, p.b) and not {p.a, p.b} & gone)
-                mine = tuple(f for f in findings if about(f, g.bdf) and not any(about(f, b) for b in gone))
+                pairs, mine = tuple(pairs_of.get(g.bdf, ())), tuple(by_gpu.get(g.bdf, ()))
                 # the walk before the newest is the one kept: the newest may have caught the
                 # card falling off the bus before the poller said so (all-ones config space)
                 self._walks[g.bdf] = (self._walks.get(g.bdf, (None, None))[1] or (g, pairs, mine), (g, pairs, mine))
@@ -160,18 +170,16 @@ class PcieFindings:
         if not held:
             self.held, self.reported = frozenset(), report
             return findings
-        out = [f for f in findings if not any(about(f, b) for b in held)]
+        out = [f for f in findings if not held.intersection(gpus_of(f))]
         seen = {(f.check, f.where) for f in out}
-        paths: list[GpuPath] = []
-        pairs: dict[tuple[str, str], GpuPair] = {}
+        paths: dict[str, GpuPath] = {}
+        pairs: dict[frozenset[str], GpuPair] = {}
         for bdf in sorted(held):
             at = time.strftime("%H:%M:%S", time.localtime(self._lost_at.setdefault(bdf, self.clock())))
             path, its_pairs, its = self._walks[bdf][0]
-            if report.gpu(bdf) is None:
-                paths.append(path)
+            paths[bdf] = path
             for p in its_pairs:
-                if report.pair(p.a, p.b) is None:
-                    pairs.setdefault((p.a, p.b), p)
+                pairs.setdefault(frozenset((p.a, p.b)), p)
             for f in its:
                 if (f.check, f.where) not in seen:
                     seen.add((f.check, f.where))
@@ -179,8 +187,13 @@ class PcieFindings:
         if not self._reported_from or self._reported_from[0] is not report or self._reported_from[1] != held:
             # a new object only when the walk or the held set changed: /metrics keeps its block
             self._reported_from = (report, held)
-            self.reported = dataclasses.replace(report, gpus=report.gpus + tuple(paths),
-                                                pairs=report.pairs + tuple(pairs.values()))
+            # a held GPU still in the walk (reads failing, not yet off the bus) shows its kept path
+            walked = {g.bdf for g in report.gpus}
+            gpus = tuple(paths.get(g.bdf, g) for g in report.gpus) + tuple(p for b, p in paths.items() if b not in walked)
+            now = {frozenset((p.a, p.b)) for p in report.pairs}
+            self.reported = dataclasses.replace(
+                report, gpus=gpus, pairs=tuple(pairs.get(frozenset((p.a, p.b)), p) for p in report.pairs)
+                + tuple(p for k, p in pairs.items() if k not in now))
         self.held = held
         return out
 
