@@ -356,3 +356,59 @@ def test_a_lost_gpu_keeps_its_findings_marked_lost_until_it_is_back_and_walked_a
         poller.close()
 
     asyncio.run(scenario())
+
+
+def test_a_kernel_p2p_refusal_walks_at_once_and_is_kept_for_the_next_start(tmp_path):
+    """Without root (no /dev/kmsg write): the classified refusal as the router publishes it.
+    The walker walks at once (not at its hour's interval), the pair's verdict is the
+    kernel's, and the line is in the state folder for a restarted daemon (which resumes the
+    kernel log after it) and for doctor."""
+    from gpuguard.policy.link_history import KERNEL_FILE, load_kernel_lines
+
+    refusal = "amdgpu 0000:08:00.0: amdgpu: PCIe P2P access from peer device 0000:05:00.0 is not supported by the chipset"
+    host = SimHost(incident_spec())
+    write_tree(host, str(tmp_path / "sim"))
+    root = SysfsRoot(str(tmp_path / "sim"))
+    path = str(tmp_path / "state" / KERNEL_FILE)
+
+    def wiring():
+        hub = Hub()
+        f = PcieFindings(hub, root, kernel_path=path)
+        return hub, f, PcieWalker(hub, root, interval=3600, kernel_lines=f.kernel_lines, assess=f.assess,
+                                  publish=f.publish)
+
+    def verdict(hub) -> str:
+        return hub.view("pcie").pair("0000:05:00.0", "0000:08:00.0").verdict
+
+    hub, findings, walker = wiring()
+
+    async def running():
+        stop = asyncio.Event()
+        task = asyncio.create_task(walker.run(stop))
+        deadline = asyncio.get_running_loop().time() + 30
+        while hub.view("pcie") is None:
+            assert asyncio.get_running_loop().time() < deadline, "no first walk"
+            await asyncio.sleep(0.01)
+        assert "kernel refused" not in verdict(hub)
+        hub.publish(Event("p2p_unsupported", "warning", "kernel", refusal, bdf="0000:08:00.0"))
+        while "kernel refused" not in verdict(hub):
+            assert asyncio.get_running_loop().time() < deadline, "the refusal did not start a walk"
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(running())
+    assert f"kernel refused it: {refusal}" in verdict(hub)
+    pair = next(f for f in hub.view("pcie_findings") if f.where == "0000:05:00.0 ↔ 0000:08:00.0")
+    assert "kernel refused it" in pair.what
+    assert list(load_kernel_lines(path)) == [refusal]
+    # the next start: no kernel line comes again, the verdict stays
+    hub2, _, walker2 = wiring()
+    asyncio.run(walker2.check_once())
+    assert f"kernel refused it: {refusal}" in verdict(hub2)
+    # a reboot since (btime after the line): the line is forgotten
+    (tmp_path / "sim/proc").mkdir(exist_ok=True)
+    (tmp_path / "sim/proc/stat").write_text(f"btime {int(__import__('time').time()) + 60}\n")
+    hub3, _, walker3 = wiring()
+    asyncio.run(walker3.check_once())
+    assert "kernel refused" not in verdict(hub3)
