@@ -37,7 +37,7 @@ from gpuguard.pcie_walker import PcieWalker
 from gpuguard.policy.gpu_conditions import GpuConditions
 from gpuguard.policy.gpu_lifecycle import GpuLifecycle
 from gpuguard.policy.kernel_actions import KernelActions
-from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE
+from gpuguard.policy.link_history import FILE as PCIE_HISTORY_FILE, KERNEL_FILE as PCIE_KERNEL_FILE
 from gpuguard.policy.pcie_findings import PcieFindings
 from gpuguard.poller import GpuPoller
 from gpuguard.sinks.api import build_app
@@ -136,11 +136,17 @@ class Daemon:
         # the walk is a source; what it finds is policy's, handed in (policy/pcie_findings.py)
         self.pcie_findings = PcieFindings(self.hub, self.root, self.expected_links,
                                           history_path=os.path.join(config.state_dir, PCIE_HISTORY_FILE),
-                                          gpu_names=self.gpus.names)
+                                          gpu_names=self.gpus.names,
+                                          kernel_path=os.path.join(config.state_dir, PCIE_KERNEL_FILE))
         self.pcie = PcieWalker(self.hub, self.root, interval=config.poll.pcie_interval_seconds,
+                               kernel_lines=self.pcie_findings.kernel_lines,
                                assess=self.pcie_findings.assess, publish=self.pcie_findings.publish)
-        self.metrics.add("pcie", PcieCollector(latest=lambda: self.hub.view("pcie"), gpu_names=self.gpus.names).collect,
-                         inputs=lambda: same_objects(self.hub.view("pcie")) + tuple(sorted(self.gpus.names().items())))
+        # the walk plus the last walk of each lost GPU (policy/pcie_findings.py): a vanished
+        # card's series stay, marked, until it is back and walked again
+        self.metrics.add("pcie", PcieCollector(latest=lambda: self.pcie_findings.reported, gpu_names=self.gpus.names,
+                                               held=lambda: self.pcie_findings.held).collect,
+                         inputs=lambda: same_objects(self.pcie_findings.reported) + tuple(sorted(self.pcie_findings.held))
+                         + tuple(sorted(self.gpus.names().items())))
         self.kernel_actions = KernelActions(self.gpus, self.poller.request_discovery)
         # a GPU lost by any route kills its engines; back, they are restarted (policy/gpu_lifecycle.py)
         self.lifecycle = GpuLifecycle(

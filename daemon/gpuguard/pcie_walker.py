@@ -4,7 +4,7 @@ timeout, and keeps the latest report on the hub (the `pcie` view) for /metrics, 
 and the page. The walk's inputs come from the hub as well: which GPUs work now (a slower
 link matters only under load), their VRAM size, and the P2P refusal and "Detected VRAM"
 lines the kmsg reader classified (they decide a pair's direction and a card's BAR,
-INCIDENTS §5).
+INCIDENTS §5); a new one of those starts a walk at once.
 
 What a report means is policy's (policy/pcie_findings.py), handed in: `assess` runs in
 the same worker thread right after the walk (it reads sysfs too), `publish` on the loop
@@ -43,6 +43,8 @@ class PcieWalker:
         self._kernel_seen: dict[str, str] = {}
         self.kernel_lines = kernel_lines or (lambda: list(self._kernel_seen.values()))
         hub.on_event(self._kernel_event)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
         self.assess = assess
         self.publish = publish
 
@@ -56,8 +58,15 @@ class PcieWalker:
         return busy, vram
 
     def _kernel_event(self, ev) -> None:
-        if ev.source == "kernel" and ev.kind in KERNEL_KINDS:
-            self._kernel_seen.setdefault(ev.message, ev.message)
+        if ev.source == "kernel" and ev.kind in KERNEL_KINDS and ev.message not in self._kernel_seen:
+            self._kernel_seen[ev.message] = ev.message
+            self.walk_soon()
+
+    def walk_soon(self) -> None:
+        """Walk now rather than at the next interval: a P2P refusal is that pair's verdict
+        when the kernel says it, not a minute later. Safe from any thread."""
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     def _walk(self) -> tuple[PcieReport, Any]:
         busy, vram = self._inputs()
@@ -86,9 +95,13 @@ class PcieWalker:
         return report
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         while not stop.is_set():
+            self._wake.clear()
             await self.check_once()
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
             try:
-                await asyncio.wait_for(stop.wait(), self.interval)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait(waits, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()

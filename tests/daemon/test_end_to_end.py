@@ -144,7 +144,7 @@ def test_late_gpu_is_picked_up(sim, start_daemon, wait_for):
     d = start_daemon(sim.mount, NAMES)
     # issue 11: the R9700s are named by {pci_id, index}; with one of the two absent, which
     # one is here is unknown, so the present card is not named (nothing applied to it)
-    wait_for(lambda: d.value("gpuguard_gpu_up", gpu=f"card{R9700[0]}") == 1.0, what="the present R9700, unnamed")
+    wait_for(lambda: d.value("gpuguard_gpu_up", gpu=R9700[0]) == 1.0, what="the present R9700, unnamed")
     assert d.value("gpuguard_gpu_up", gpu="r9700-a") is None
     assert d.value("gpuguard_gpu_configured_missing", gpu="r9700-b", match="1002:7551 #1") == 1.0
     assert d.value("gpuguard_gpu_up", gpu="r9700-b") is None  # not there yet

@@ -143,7 +143,7 @@ def test_status_without_a_daemon_reads_the_hosts_fdinfo_itself(tmp_path, sims):
                        text=True, timeout=60)
     assert "GPU processes:" in r.stdout, r.stdout + r.stderr
     (line,) = [l for l in r.stdout.splitlines() if f"pid {core} " in l]
-    assert line.split() == ["card0000:aa:00.0", "pid", str(core), "VLLM::EngineCor", "(no", "engine)", "256", "MiB"]
+    assert line.split() == ["0000:aa:00.0", "pid", str(core), "VLLM::EngineCor", "(no", "engine)", "256", "MiB"]
     r = subprocess.run([sys.executable, "-m", "gpuguard", "status", "--json", "--sysfs-root", str(root)],
                        capture_output=True, text=True, timeout=60)
     (hold,) = [p for p in __import__("json").loads(r.stdout)["gpu_processes"]["processes"] if p["pid"] == core]

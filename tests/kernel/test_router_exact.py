@@ -86,7 +86,7 @@ def drm(action: str, bdf: str = GPU, name: str = "card1") -> DeviceEvent:
 def test_a_udev_remove_exactly(rules):
     h = Hooks()
     r = router(rules, h)
-    r.states.engines = {"qwen": (f"card{GPU}",)}  # the state owner's name for the card
+    r.states.engines = {"qwen": (GPU,)}  # the state owner's name for the card
     e = r.handle_device(pci("remove"))
     assert (e.kind, e.severity, e.source, e.gpu, e.bdf, e.message) == (
         "gpu_lost", "critical", "udev", "gpu0", GPU, f"GPU {GPU} removed (pci remove)")
@@ -162,7 +162,7 @@ def test_an_xid_seen_by_kmsg_and_nvml_counts_once(rules):
     assert r.handle_external(nv("nvidia_xid", t=now + 30.5)) is not None  # later: a new one
     assert r.handle_external(nv("nvidia_xid", xid=48, t=now + 31)) is not None  # another Xid
     assert r.handle_external(nv("nvidia_xid", bdf=GPU2, t=now + 31)) is not None  # another card
-    assert r.counts[(f"card{GPU}", "nvidia_xid")] == 3 and r.counts[(f"card{GPU2}", "nvidia_xid")] == 1
+    assert r.counts[(GPU, "nvidia_xid")] == 3 and r.counts[(GPU2, "nvidia_xid")] == 1
 
 
 def test_only_xids_and_losses_with_a_card_are_matched(rules):
@@ -446,7 +446,7 @@ def test_two_different_xids_from_two_sources_both_count(rules):
     now = time.time()
     assert r.handle_external(nv("nvidia_xid", xid=79, t=now, source="kmsg")) is not None
     assert r.handle_external(nv("nvidia_xid", xid=48, t=now + 1)) is not None  # NVML, another Xid
-    assert r.counts[(f"card{GPU}", "nvidia_xid")] == 2
+    assert r.counts[(GPU, "nvidia_xid")] == 2
 
 
 def test_a_sink_that_returns_nothing_is_no_error(rules):

@@ -257,3 +257,158 @@ def test_a_pair_alone_in_its_fix_keeps_its_own_message_and_gpu(tmp_path):
     assert [e.message.split(": ", 1)[0] for e in alone if "one switch" in e.fields["todo"]] == [
         "0000:05:00.0 ↔ 0000:08:00.0"]
     assert next(e for e in alone if e.message.startswith("0000:05:00.0 ↔ 0000:08:00.0")).gpu == "r9700-0"
+
+
+def _about(f, bdf: str) -> bool:
+    """The finding is placed at that GPU (or on its path), or is a pair it is in."""
+    return bdf in f.where.split(" ↔ ") if f.check == "pair" else f.where.split(" ", 1)[0] == bdf
+
+
+def test_a_lost_gpu_keeps_its_findings_marked_lost_until_it_is_back_and_walked_again(tmp_path):
+    """`sim lose xtx-1`: ~10 s later pcie_link_cleared, pcie_bar_cleared, pcie_pair_cleared
+    ("cleared: … downgraded under load") and the Gen2 alert resolved, though nothing was
+    fixed. A lost card keeps its findings, marked "GPU lost", in /v1/pcie's findings and on
+    /metrics (its last walked series, `gpuguard_gpu_pcie_held` 1) until it is back and
+    walked again; only what that walk shows fixed clears."""
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from gpuguard.sinks.pcie_metrics import PcieCollector
+
+    host = SimHost(incident_spec())
+    writer = write_tree(host, str(tmp_path / "sim"))
+    root = SysfsRoot(str(tmp_path / "sim"))
+    hub = Hub()
+    got: list[Event] = []
+    hub.on_event(got.append)
+    clock = [1000.0]  # the poller's: a discovery at every 10 s step, as in the daemon
+    poller = GpuPoller(hub, [AmdgpuSource(root)], interval=10, timeout=30, clock=lambda: clock[0])
+    findings = PcieFindings(hub, root, gpu_names=hub.gpus.names)
+    watch = PcieWalker(hub, root, interval=10, assess=findings.assess, publish=findings.publish)
+    reg = CollectorRegistry()
+    reg.register(PcieCollector(lambda: findings.reported, gpu_names=hub.gpus.names, held=lambda: findings.held))
+    lost = XTX[1]
+    name = hub.gpus.name
+
+    async def walks(n: int = 1, load: float = 1.0):
+        for _ in range(n):
+            for b in host.gpus:
+                host.set_load(b, load)
+            host.step(10.0)
+            writer.refresh()
+            clock[0] += 10
+            await poller.poll_once()
+            await watch.check_once()
+
+    def metric(family: str, **labels) -> list[str]:
+        text = generate_latest(reg).decode()
+        return [ln for ln in text.splitlines() if ln.startswith(family + "{")
+                and all(f'{k}="{v}"' in ln for k, v in labels.items())]
+
+    def mine() -> dict[tuple[str, str], object]:
+        return {(f.check, f.where): f for f in hub.view("pcie_findings") if _about(f, lost) and f.level != "OK"}
+
+    async def scenario():
+        await walks(2)
+        before = mine()
+        assert {k[0] for k in before} >= {"link", "bar", "pair"}, before
+        assert any(ln.endswith(" 1.0") for ln in metric("gpuguard_pcie_link_downgraded", gpu=name(lost)))
+        raised = [e.kind for e in got if e.source == "pcie"]
+        host.lose_gpu(lost)  # reads fail first, then the board leaves the bus
+        await walks(6)
+        assert hub.view("pcie").gpu(lost) is None  # really gone from the walk
+        assert hub.gpus.is_lost(lost)
+        assert [e.kind for e in got if e.kind.endswith("_cleared")] == []
+        assert [e.kind for e in got if e.source == "pcie"] == raised  # nothing new either
+        held = mine()
+        assert held.keys() == before.keys()
+        for key, f in held.items():
+            assert f.level == before[key].level
+            assert f.what.startswith("GPU lost") and before[key].what in f.what
+            assert f.to_dict()["gpu_lost"] is True
+        assert not any(f.to_dict()["gpu_lost"] for f in hub.view("pcie_findings") if not _about(f, lost))
+        # /metrics: its last walked series stay (the downgrade alert holds), marked held
+        assert any(ln.endswith(" 1.0") for ln in metric("gpuguard_pcie_link_downgraded", gpu=name(lost)))
+        assert metric("gpuguard_gpu_pcie_held", gpu=name(lost)) == [f'gpuguard_gpu_pcie_held{{gpu="{name(lost)}"}} 1.0']
+        assert metric("gpuguard_gpu_pcie_held", gpu=name(XTX[0]))[0].endswith(" 0.0")
+        # back in its slot, walked again: still Gen2, still a small BAR: nothing clears
+        host.return_gpu(lost)
+        await walks(4)
+        assert hub.view("pcie").gpu(lost) is not None and not hub.gpus.is_lost(lost)
+        assert [e.kind for e in got if e.kind.endswith("_cleared")] == []
+        again = mine()
+        assert again.keys() == before.keys() and not any(f.to_dict()["gpu_lost"] for f in again.values())
+        assert metric("gpuguard_gpu_pcie_held", gpu=name(lost))[0].endswith(" 0.0")
+        # what the walk after the return shows fixed clears, and only that: a file that read
+        # garbage before the loss is sane again when the card is back
+        host.garbage(lost, "mem_info_vis_vram_total", "xyz\n")
+        await walks(2)
+        assert ("read", lost) in {(k[0], k[1]) for k in mine()}
+        host.lose_gpu(lost)
+        await walks(4)
+        assert [e.kind for e in got if e.kind.endswith("_cleared")] == []
+        assert ("read", lost) in {(k[0], k[1]) for k in mine()}
+        host.clear_garbage(lost)
+        host.return_gpu(lost)
+        await walks(4)
+        assert [(e.kind, e.bdf) for e in got if e.kind.endswith("_cleared")] == [("pcie_read_cleared", lost)]
+        assert mine().keys() == before.keys()
+        poller.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_kernel_p2p_refusal_walks_at_once_and_is_kept_for_the_next_start(tmp_path):
+    """Without root (no /dev/kmsg write): the classified refusal as the router publishes it.
+    The walker walks at once (not at its hour's interval), the pair's verdict is the
+    kernel's, and the line is in the state folder for a restarted daemon (which resumes the
+    kernel log after it) and for doctor."""
+    from gpuguard.policy.link_history import KERNEL_FILE, load_kernel_lines
+
+    refusal = "amdgpu 0000:08:00.0: amdgpu: PCIe P2P access from peer device 0000:05:00.0 is not supported by the chipset"
+    host = SimHost(incident_spec())
+    write_tree(host, str(tmp_path / "sim"))
+    root = SysfsRoot(str(tmp_path / "sim"))
+    path = str(tmp_path / "state" / KERNEL_FILE)
+
+    def wiring():
+        hub = Hub()
+        f = PcieFindings(hub, root, kernel_path=path)
+        return hub, f, PcieWalker(hub, root, interval=3600, kernel_lines=f.kernel_lines, assess=f.assess,
+                                  publish=f.publish)
+
+    def verdict(hub) -> str:
+        return hub.view("pcie").pair("0000:05:00.0", "0000:08:00.0").verdict
+
+    hub, findings, walker = wiring()
+
+    async def running():
+        stop = asyncio.Event()
+        task = asyncio.create_task(walker.run(stop))
+        deadline = asyncio.get_running_loop().time() + 30
+        while hub.view("pcie") is None:
+            assert asyncio.get_running_loop().time() < deadline, "no first walk"
+            await asyncio.sleep(0.01)
+        assert "kernel refused" not in verdict(hub)
+        hub.publish(Event("p2p_unsupported", "warning", "kernel", refusal, bdf="0000:08:00.0"))
+        while "kernel refused" not in verdict(hub):
+            assert asyncio.get_running_loop().time() < deadline, "the refusal did not start a walk"
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(running())
+    assert f"kernel refused it: {refusal}" in verdict(hub)
+    pair = next(f for f in hub.view("pcie_findings") if f.where == "0000:05:00.0 ↔ 0000:08:00.0")
+    assert "kernel refused it" in pair.what
+    assert list(load_kernel_lines(path)) == [refusal]
+    # the next start: no kernel line comes again, the verdict stays
+    hub2, _, walker2 = wiring()
+    asyncio.run(walker2.check_once())
+    assert f"kernel refused it: {refusal}" in verdict(hub2)
+    # a reboot since (btime after the line): the line is forgotten
+    (tmp_path / "sim/proc").mkdir(exist_ok=True)
+    (tmp_path / "sim/proc/stat").write_text(f"btime {int(__import__('time').time()) + 60}\n")
+    hub3, _, walker3 = wiring()
+    asyncio.run(walker3.check_once())
+    assert "kernel refused" not in verdict(hub3)

@@ -271,7 +271,7 @@ def test_metric_samples(incident):
     assert by[("gpuguard_gpu_pcie_bottleneck_bytes_per_second", (("gpu", "xtx0"),))] == pytest.approx(8e9)
     assert by[("gpuguard_gpu_bar_bytes", (("bar", "0"), ("gpu", "xtx0")))] == 256 << 20
     # The root port is shared by two GPUs: its AER counter appears once, naming both.
-    shared = ",".join(sorted(["xtx0", f"card{XTX[1]}"]))
+    shared = ",".join(sorted(["xtx0", XTX[1]]))
     assert by[("gpuguard_pcie_aer_errors_total",
                (("bdf", "0000:a0:02.0"), ("gpu", shared), ("severity", "correctable")))] == 3
     aer = [s for s in ss if s.name == "gpuguard_pcie_aer_errors_total" and s.labels["bdf"] == "0000:a0:02.0"]
@@ -290,9 +290,9 @@ def test_collector_exposition_parses(incident):
     text = generate_latest(reg).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert fams["gpuguard_pcie_aer_errors"].type == "counter"
-    assert reg.get_sample_value("gpuguard_gpu_pcie_bottleneck_bytes_per_second", {"gpu": f"card{XTX[1]}"}) == pytest.approx(8e9)
+    assert reg.get_sample_value("gpuguard_gpu_pcie_bottleneck_bytes_per_second", {"gpu": XTX[1]}) == pytest.approx(8e9)
     assert reg.get_sample_value(
-        "gpuguard_pcie_link_downgraded", {"gpu": f"card{XTX[1]}", "bdf": "0000:ab:00.0", "hop": "3", "role": "switch_upstream"}
+        "gpuguard_pcie_link_downgraded", {"gpu": XTX[1], "bdf": "0000:ab:00.0", "hop": "3", "role": "switch_upstream"}
     ) == 0.0
 
 

@@ -69,7 +69,7 @@ engines:
         assert v("gpuguard_collector_success", {"collector": name}) == 1.0, name
         assert 0 <= v("gpuguard_collector_duration_seconds", {"collector": name}) < 5, name
     # the sources' own families are there beside them
-    assert v("gpuguard_gpu_vram_total_bytes", {"gpu": "card0000:05:00.0"}) == 34208743424
+    assert v("gpuguard_gpu_vram_total_bytes", {"gpu": "0000:05:00.0"}) == 34208743424
     downgraded = [s for f in d.metrics.registry.collect() if f.name == "gpuguard_pcie_link_downgraded"
                   for s in f.samples if s.value == 1]
     assert downgraded  # the XTX slot hop trained at Gen2 (INCIDENTS §4)

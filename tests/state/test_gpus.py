@@ -233,7 +233,7 @@ def test_the_api_refuses_a_card_that_is_lost_or_not_identified(tmp_path):
         with pytest.raises(ActionRefused, match="is lost"):
             await api.apply_profile("r9700-a", "p", "token:alice")
         with pytest.raises(ActionRefused, match="not identified"):
-            await api.apply_profile(f"card{XTX[1]}", "x", "token:alice")
+            await api.apply_profile(XTX[1], "x", "token:alice")
         with pytest.raises(UnknownTarget):
             await api.apply_profile("xtx-0", "x", "token:alice")
 

@@ -78,7 +78,7 @@ def test_a_first_look_with_a_card_missing_then_the_late_card(rig):
                            f"{ONE_OF_TWO}; nothing is applied to cards that are not identified",
                            {"missing": ["xtx-0", "xtx-1"], "condition": True})]
     assert rig.heard() == [("on_new", "r9700-a", "start"), ("on_new", "r9700-b", "start"),
-                           ("on_new", f"card{X0}", "start")]
+                           ("on_new", X0, "start")]
     assert g.summary() == "3/4 GPUs up; missing xtx-0 (1002:744c #0), xtx-1 (1002:744c #1)"
     assert list(g.conditions) == [("host", "gpus_missing")]
     assert g.metrics_rows() == [("xtx-0", "1002:744c #0"), ("xtx-1", "1002:744c #1")]
@@ -87,8 +87,8 @@ def test_a_first_look_with_a_card_missing_then_the_late_card(rig):
         "r9700-a", True, "R9700", "p", "pending", 1, "daemon start")
     assert (b.name, b.profile, b.profile_state, b.generation) == ("r9700-b", None, "none", 1)
     assert (x.name, x.named, x.profile, x.profile_state, x.generation, x.why_unnamed, x.pending_why) == (
-        f"card{X0}", False, None, "none", 0, ONE_OF_TWO, "")
-    assert g.names() == {R1: "r9700-a", R2: "r9700-b", X0: f"card{X0}"}
+        X0, False, None, "none", 0, ONE_OF_TWO, "")
+    assert g.names() == {R1: "r9700-a", R2: "r9700-b", X0: X0}
 
     g.observe(devs())
     assert rig.said() == [("gpu_appeared", "info", "gpus", "xtx-1", X1, f"GPU xtx-1 ({X1}) appeared", {}),
@@ -349,7 +349,7 @@ def test_configure_renames_and_reassigns(rig):
     # a card that lost its entry becomes unnamed: no profile, never written
     g.configure(entries[:1] + entries[2:])
     s = g.get(R2)
-    assert (s.name, s.named, s.profile, s.profile_state) == (f"card{R2}", False, None, "none")
+    assert (s.name, s.named, s.profile, s.profile_state) == (R2, False, None, "none")
     assert not g.may_write(R2)
 
 
@@ -439,7 +439,7 @@ def test_summary_names_every_card_down_including_an_unnamed_one_gone(rig):
     g.observe(devs(extra=("0000:c0:00.0",)))  # three XTX for two configured: none named
     g.observe(devs())  # the third is gone: the pair is named, the third lost and named by nothing
     g.not_answering(R2, "timeout")
-    assert g.summary() == "3/5 GPUs up; down: r9700-b, card0000:c0:00.0"
+    assert g.summary() == "3/5 GPUs up; down: r9700-b, 0000:c0:00.0"
 
 
 def test_a_card_without_a_model_is_question_mark_and_learns_it_when_back(rig):
@@ -467,11 +467,14 @@ def test_a_card_back_elsewhere_and_a_new_card_in_the_same_look(rig):
     assert rig.heard() == [("on_back", "xtx-0", f"bus (at {MOVED}, was {X0})"), ("on_new", "spare", "appeared")]
 
 
-def test_an_unnamed_card_never_carries_a_profile_even_one_named_like_it(rig):
+def test_an_unnamed_card_never_carries_a_profile_and_no_entry_takes_its_name(rig):
     g = rig.g
-    g.configure([GpuEntry(name=f"card{X1}", match={"bdf": "0000:77:00.0"}, profile="p")])
+    # an unnamed card is called by its address: a configured name that is one is refused
+    with pytest.raises(ValueError, match="is a PCI address"):
+        GpuEntry(name=X1, match={"bdf": "0000:77:00.0"}, profile="p")
+    g.configure([GpuEntry(name="spare", match={"bdf": "0000:77:00.0"}, profile="p")])
     g.observe(devs())
-    assert (g.get(X1).name, g.get(X1).named, g.get(X1).profile) == (f"card{X1}", False, None)
+    assert (g.get(X1).name, g.get(X1).named, g.get(X1).profile) == (X1, False, None)
 
 
 def test_a_card_that_loses_its_name_says_why(rig):
@@ -481,7 +484,7 @@ def test_a_card_that_loses_its_name_says_why(rig):
     assert (g.name(X0), g.get(X0).named) == ("xtx-0", True)
     s = g.get(X1)
     assert (s.name, s.named, s.profile, s.profile_state, s.why_unnamed) == (
-        f"card{X1}", False, None, "none", "not identified")
+        X1, False, None, "none", "not identified")
 
 
 def test_swapped_indexes_in_a_reload_rename_the_cards(rig):
@@ -497,9 +500,9 @@ def test_a_reload_keeps_a_name_held_by_knowledge_not_order(rig):
     g = started(rig)
     g.observe(devs(X0))  # xtx-0 gone
     g.observe(devs(X0, extra=("0000:c0:00.0",)))  # a new XTX after xtx-1: by order it would be xtx-1
-    assert (g.name(X1), g.name("0000:c0:00.0")) == ("xtx-1", "card0000:c0:00.0")
+    assert (g.name(X1), g.name("0000:c0:00.0")) == ("xtx-1", "0000:c0:00.0")
     g.configure(ENTRIES)  # the same config again
-    assert (g.name(X1), g.name("0000:c0:00.0")) == ("xtx-1", "card0000:c0:00.0")
+    assert (g.name(X1), g.name("0000:c0:00.0")) == ("xtx-1", "0000:c0:00.0")
 
 
 def test_back_elsewhere_without_a_profile(rig):

@@ -11,7 +11,7 @@ import sys
 from gpuguard.cli.pcie import add_source_args, load
 from gpuguard.hw.pcie_capture import CaptureError
 from gpuguard.policy.doctor import Finding, diagnose, exit_status, expected_from_config
-from gpuguard.policy.link_history import FILE as HISTORY_FILE, boot_time, load as load_history
+from gpuguard.policy.link_history import FILE as HISTORY_FILE, KERNEL_FILE, boot_time, load as load_history, load_kernel_lines
 
 
 def exposure_findings(cfg) -> list[Finding]:
@@ -55,7 +55,9 @@ def run(args) -> int:
     else:
         state_dir = "/var/lib/gpuguard" if args.sysfs_root in (None, "/") and not args.replay else None
     try:
-        src, report, lines = load(args)
+        # the kernel lines the daemon read (P2P refusals, BAR figures): a refusal it saw is
+        # the pair's verdict here too, without --kernel-log
+        src, report, lines = load(args, saved_kernel_lines=os.path.join(state_dir, KERNEL_FILE) if state_dir else None)
     except (CaptureError, OSError) as e:
         print(f"gpuguard doctor: {e}", file=sys.stderr)
         return 2

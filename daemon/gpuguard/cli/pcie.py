@@ -91,9 +91,15 @@ class Source:
             self._tmp.cleanup()
 
 
-def load(args) -> tuple[Source, PcieReport, list[str]]:
+def load(args, saved_kernel_lines: str | None = None) -> tuple[Source, PcieReport, list[str]]:
+    """The walk and its kernel lines: --kernel-log's, then those the daemon saved in its
+    state folder (`saved_kernel_lines`, policy/link_history.py; this boot's only)."""
     src = Source(args)
     lines = read_kernel_log(args.kernel_log)
+    if saved_kernel_lines:
+        from gpuguard.policy.link_history import boot_time, load_kernel_lines
+
+        lines += [ln for ln in load_kernel_lines(saved_kernel_lines, boot_time(src.root)) if ln not in lines]
     report = walk(src.root, busy_map(src.root, args.busy), kernel_lines=lines, vram=nvml_vram(src.root))
     return src, report, lines
 

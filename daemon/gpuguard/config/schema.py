@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuguard.engines.config import EngineConfig
-from gpuguard.hw.pci_address import parse_bdf as normalise_bdf, parse_pci_id
+from gpuguard.hw.pci_address import is_canonical, parse_bdf as normalise_bdf, parse_pci_id
 from gpuguard.hw.pcie_expect import ExpectedLink
 from gpuguard.kernel.config import KernelConfig
 from gpuguard.profiles.schema import ApplyConfig, Profile, assignment_problems
@@ -73,6 +73,16 @@ class GpuEntry(Strict):
     # INCIDENTS §4: what the slot link must train to; a mismatch is an alert.
     expect_link: ExpectedLink | None = None
 
+    @field_validator("name")
+    @classmethod
+    def _not_an_address(cls, v: str) -> str:
+        # an unnamed GPU is called by its PCI address (state/identity.default_name): a
+        # configured name that is one would be read as another card's
+        if is_canonical(v):
+            raise ValueError(f"{v!r} is a PCI address, the name of a GPU no entry names; give a name "
+                             "(xtx-0) and put the address in match: {bdf: ...}")
+        return v
+
 
 class LoggingConfig(Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -134,7 +144,13 @@ class Config(Strict):
                 problems.append((("engines", i, "name"), f"engine name {e.name!r} is used twice in engines"))
             seen_engines.add(e.name)
             for j, gpu in enumerate(e.gpus):
-                if first and gpu not in first and not gpu.startswith("card"):
+                if gpu in first:
+                    continue
+                if gpu.startswith("card") and is_canonical(gpu[4:]):
+                    # unnamed GPUs were `card` + address once; that name now matches no GPU
+                    problems.append((("engines", i, "gpus", j), f"engine {e.name}: {gpu!r}: a GPU without a configured "
+                                                                 f"name is called by its PCI address: write {gpu[4:]!r}"))
+                elif first and not is_canonical(gpu):
                     problems.append((("engines", i, "gpus", j), f"engine {e.name}: {gpu!r} is not a name in gpus: "
                                                                  f"({', '.join(sorted(first))})"))
         if problems:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from gpuguard.hw import nvml_calls as C
 from gpuguard.hw.nvml_health import read_health
 from gpuguard.hw.pci_address import normalise_bus_id
+from gpuguard.state.identity import default_name
 from gpuguard.state.snapshot import GpuSnapshot
 
 NOT_SUPPORTED_NAMES = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
@@ -404,7 +405,7 @@ def capture(path: str, power_seconds: float = 0.0, power_hz: float = 50.0) -> in
     rec = _Recorder(pynvml)
     src = NvmlSource(rec)
     devs = src.discover()
-    snaps = [src.read(d, f"card{d.bdf}").to_dict() for d in devs]
+    snaps = [src.read(d, default_name(d.bdf)).to_dict() for d in devs]
     processes = {d.bdf: {str(k): v for k, v in src.processes(d).items()} for d in devs}
     constants = {
         k: getattr(pynvml, k)
@@ -447,7 +448,7 @@ def sample_power(nvml: Any, devs: list[NvmlDevice], seconds: float, hz: float) -
     out = {}
     fid = int(getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", NVML_FI_DEV_POWER_INSTANT))
     for d in devs:
-        ch = nvml_channel(nvml, d, f"card{d.bdf}")
+        ch = nvml_channel(nvml, d, default_name(d.bdf))
         h = nvml.nvmlDeviceGetHandleByIndex(d.index)
         inst: list[tuple[int, float]] = []
         usage: list[tuple[int, float]] = []

@@ -32,6 +32,7 @@ class Finding:
     what: str
     where: str  # bdf, pair "a ↔ b", or "host"
     todo: str = ""
+    gpu_lost: bool = False  # the GPU is lost: this is what its last walk found (policy/pcie_findings.py)
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -42,7 +43,8 @@ class Finding:
         return f"{self.level:<4} {self.check:<11} {self.where}: {self.what}{tail}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"level": self.level, "check": self.check, "what": self.what, "where": self.where, "todo": self.todo}
+        return {"level": self.level, "check": self.check, "what": self.what, "where": self.where, "todo": self.todo,
+                "gpu_lost": self.gpu_lost}
 
 
 def exit_status(findings: Iterable[Finding]) -> int:
@@ -224,10 +226,30 @@ def pair_findings(report: PcieReport) -> list[Finding]:
     return out
 
 
-def telemetry_findings(root: SysfsRoot, g: GpuPath) -> list[Finding]:
+ASLEEP = ("suspended", "suspending")
+
+
+def runtime_status(root: SysfsRoot, g: GpuPath) -> str | None:
+    """The GPU's `power/runtime_status` (reading it does not wake the card), None when
+    unreadable."""
+    try:
+        return root.read_text(f"/sys/bus/pci/devices/{g.bdf}/power/runtime_status").strip() or None
+    except SysfsError:
+        return None
+
+
+def telemetry_findings(root: SysfsRoot, g: GpuPath, asleep: bool = False) -> list[Finding]:
+    """`asleep`: the card is runtime-suspended. amdgpu then refuses its power-management
+    files (EPERM on 6.14, EBUSY on 7.0) rather than wake it, and gpuguard does not wake a
+    sleeping card to read them: that is no telemetry fault (it raised an alert at every walk)."""
     dev = f"/sys/bus/pci/devices/{g.bdf}"
     out = []
-    if g.driver == "amdgpu":
+    if g.driver == "amdgpu" and asleep:
+        out.append(Finding("OK", "telemetry", "OD file pp_od_clk_voltage present" if root.exists(f"{dev}/pp_od_clk_voltage")
+                           else "OD file pp_od_clk_voltage not listed while runtime-suspended", g.bdf))
+        out.append(Finding("OK", "telemetry", "runtime-suspended: power cap not read (gpuguard does not wake the card); "
+                           "checked when it is awake", g.bdf))
+    elif g.driver == "amdgpu":
         dgpu = any(h.role == "card_upstream" for h in g.hops) or (g.vram_bytes or 0) >= AMD_DGPU_MIN_VRAM
         if dgpu:
             if root.exists(f"{dev}/pp_od_clk_voltage"):
@@ -260,7 +282,9 @@ def telemetry_findings(root: SysfsRoot, g: GpuPath) -> list[Finding]:
     return out
 
 
-def hop_read_findings(g: GpuPath) -> list[Finding]:
+def hop_read_findings(g: GpuPath, asleep: bool = False) -> list[Finding]:
+    """`asleep`: the GPU is runtime-suspended; its own files refuse reads until it wakes
+    (its bridges' do not), which is not a fault of the device."""
     out = []
     for h in g.hops:
         for attr, why in h.errors.items():
@@ -268,7 +292,7 @@ def hop_read_findings(g: GpuPath) -> list[Finding]:
                 continue  # reported by the AtomicOps check
             out.append(Finding("WARN", "read", f"{attr} unreadable: {why}", f"{g.bdf} hop {h.bdf}",
                                "the value is shown as unknown; a vanished or wedged device reads like this"))
-    for attr, why in g.errors.items():
+    for attr, why in (() if asleep else g.errors.items()):
         out.append(Finding("WARN", "read", f"{attr} unreadable: {why}", g.bdf))
     return out
 
@@ -301,8 +325,9 @@ def diagnose(
         out += bar_findings(g)
         out += atomics_findings(g)
         out += aer_findings(g)
-        out += telemetry_findings(root, g)
-        out += hop_read_findings(g)
+        asleep = g.driver == "amdgpu" and runtime_status(root, g) in ASLEEP
+        out += telemetry_findings(root, g, asleep)
+        out += hop_read_findings(g, asleep)
     out += pair_findings(report)
     out += kernel_findings(list(kernel_lines))
     out += expected_link_findings(report, expected, seen_under_load)

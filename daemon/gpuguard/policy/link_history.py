@@ -1,13 +1,20 @@
-"""The links seen slow while their GPU worked: (gpu, upper, lower) -> (when, GT/s). A link
-that idles slow is power saving, one that ran slow under load is a fault, and it stays one
-while the GPU idles until the link is seen at full speed. The daemon keeps it
-in its state dir so `gpuguard doctor` judges a hop by the same history; entries from
-before the last boot are dropped (the link trained again at boot)."""
+"""What the daemon learned about the PCIe paths that a walk cannot read again, kept in its
+state dir so a restarted daemon and `gpuguard doctor` judge by the same facts; entries from
+before the last boot are dropped (the links trained again, the driver probed again).
+
+- The links seen slow while their GPU worked: (gpu, upper, lower) -> (when, GT/s). A link
+  that idles slow is power saving, one that ran slow under load is a fault, and it stays
+  one while the GPU idles until the link is seen at full speed.
+- The kernel's lines about them (`KernelLines`): a P2P refusal, a `Detected VRAM` figure.
+  The kernel prints each once; a restarted daemon resumes the log after it (kernel/kmsg.py)
+  and doctor has no log unless given one, so without this the refusal was the pair's
+  verdict only in the process that read it (INCIDENTS §5)."""
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
 import time
 from typing import Mapping
 
@@ -15,6 +22,8 @@ from gpuguard.hw.pcie_model import PcieReport
 from gpuguard.hw.sysfs import SysfsError, SysfsRoot
 
 FILE = "pcie-load-history.json"
+KERNEL_FILE = "pcie-kernel-lines.json"
+KERNEL_LINES_KEPT = 4096  # distinct lines; a refusal per direction of 496 pairs is 992
 log = logging.getLogger("gpuguard.pcie")
 Key = tuple[str, str, str]
 
@@ -70,6 +79,10 @@ def load(path: str, booted: float | None = None) -> dict[Key, tuple[float, float
 def save(path: str, seen: Mapping[Key, tuple[float, float]]) -> None:
     doc = {"schema": 1, "saved": time.time(), "links": [
         {"gpu": g, "upper": u, "lower": lo, "time": t, "gts": gts} for (g, u, lo), (t, gts) in sorted(seen.items())]}
+    _save(path, doc, "the PCIe load history")
+
+
+def _save(path: str, doc: dict, what: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -77,4 +90,57 @@ def save(path: str, seen: Mapping[Key, tuple[float, float]]) -> None:
             json.dump(doc, f, indent=1)
         os.replace(tmp, path)
     except OSError as e:  # a full or read-only disk must not stop the watch
-        log.warning("cannot save the PCIe load history to %s: %s; it stays in memory", path, e.strerror)
+        log.warning("cannot save %s to %s: %s; it stays in memory", what, path, e.strerror)
+
+
+class KernelLines:
+    """The kernel lines a walk reads (P2P refusals, `Detected VRAM`), in the order first
+    seen. `add` runs on the loop (an event), `lines` and `flush` (the file write) in the
+    walker's thread: a lock between them."""
+
+    def __init__(self, path: str | None = None, booted: float | None = None) -> None:
+        self.path = path
+        self.seen: dict[str, float] = load_kernel_lines(path, booted) if path else {}
+        self._lock = threading.Lock()
+        self._dirty = False
+
+    def lines(self) -> list[str]:
+        with self._lock:
+            return list(self.seen)
+
+    def add(self, line: str, when: float) -> bool:
+        """True when the line is new."""
+        line = line.strip()
+        with self._lock:
+            if not line or line in self.seen:
+                return False
+            self.seen[line] = when
+            while len(self.seen) > KERNEL_LINES_KEPT:
+                del self.seen[next(iter(self.seen))]
+            self._dirty = True
+            return True
+
+    def flush(self) -> None:
+        """Save the lines if one came since the last save."""
+        with self._lock:
+            if not self._dirty or not self.path:
+                return
+            self._dirty = False
+            doc = {"schema": 1, "saved": time.time(), "lines": [{"time": t, "text": ln} for ln, t in self.seen.items()]}
+        _save(self.path, doc, "the kernel's PCIe lines")
+
+
+def load_kernel_lines(path: str, booted: float | None = None) -> dict[str, float]:
+    """{line: when} saved by the daemon; a missing or unreadable file is none, lines from
+    before `booted` are dropped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        out = {}
+        for e in doc.get("lines", []):
+            t = float(e["time"])
+            if booted is None or t >= booted:
+                out[str(e["text"])] = t
+        return out
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gpuguard.hw.pcie_model import PcieReport
+from gpuguard.state.identity import default_name
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,11 @@ class Sample:
 
 
 def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType({}),
-            only: str | None = None) -> Iterator[Sample]:
+            only: str | None = None, held: frozenset[str] = frozenset()) -> Iterator[Sample]:
     """The PCIe metrics of reference/METRICS.md from one report. `gpu_names[bdf]` is the
-    configured name (default `card` + PCI address). A value that is unknown is left out,
-    never exported as zero. `only`: that family's samples alone (the others not built)."""
+    configured name (default: the PCI address, state/identity.default_name). A value that is unknown is left out,
+    never exported as zero. `only`: that family's samples alone (the others not built).
+    `held`: GPUs whose series are from their last walk before they were lost."""
     every = only is None
     aer_seen: set[str] = set()
     # The GPUs behind each hop, so an AER alert names them; a switch or root
@@ -35,9 +37,9 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
     behind: dict[str, list[str]] = {}
     for g in report.gpus:
         for h in g.hops:
-            behind.setdefault(h.bdf, []).append(gpu_names.get(g.bdf, f"card{g.bdf}"))
+            behind.setdefault(h.bdf, []).append(gpu_names.get(g.bdf, default_name(g.bdf)))
     for g in report.gpus:
-        gpu = gpu_names.get(g.bdf, f"card{g.bdf}")
+        gpu = gpu_names.get(g.bdf, default_name(g.bdf))
         for i, h in enumerate(g.hops):
             lab = {"gpu": gpu, "bdf": h.bdf, "hop": str(i), "role": h.role}
             for name, v in (
@@ -66,10 +68,12 @@ def samples(report: PcieReport, gpu_names: Mapping[str, str] = MappingProxyType(
         if every or only == "gpuguard_gpu_bar_bytes":
             for b in g.bars:
                 yield Sample("gpuguard_gpu_bar_bytes", {"gpu": gpu, "bar": str(b.index)}, float(b.size_bytes))
+        if every or only == "gpuguard_gpu_pcie_held":
+            yield Sample("gpuguard_gpu_pcie_held", {"gpu": gpu}, 1.0 if g.bdf in held else 0.0)
     if not (every or only == "gpuguard_gpu_pair_p2p"):
         return
     for p in report.pairs:
-        a, b = gpu_names.get(p.a, f"card{p.a}"), gpu_names.get(p.b, f"card{p.b}")
+        a, b = gpu_names.get(p.a, default_name(p.a)), gpu_names.get(p.b, default_name(p.b))
         for d in p.directions:
             if d.possible is None:
                 continue  # unknown is left out, never a zero
@@ -88,6 +92,8 @@ METRIC_HELP = {
     "gpuguard_pcie_aer_errors_total": "PCIe AER errors counted by the kernel per device",
     "gpuguard_gpu_pcie_bottleneck_bytes_per_second": "Usable bandwidth of the GPU's narrowest PCIe hop (bytes/s, per direction)",
     "gpuguard_gpu_bar_bytes": "Size of a GPU BAR (bytes)",
+    "gpuguard_gpu_pcie_held": "1 when the GPU is lost and its PCIe series and findings are those of its last walk, "
+                              "kept until it is back and walked again (a vanished card is not a fixed slot)",
     "gpuguard_gpu_pair_p2p": "1 when GPU a (a_to_b) or b (b_to_a) can access the other's VRAM peer-to-peer by the kernel's rules (large BAR of the accessed card, p2pdma path)",
 }
 
@@ -97,9 +103,11 @@ class PcieCollector:
     memory only, it never touches hardware (client_python runs it on the event loop)."""
 
     def __init__(self, latest: Callable[[], PcieReport | None],
-                 gpu_names: Callable[[], Mapping[str, str]] = lambda: {}) -> None:
+                 gpu_names: Callable[[], Mapping[str, str]] = lambda: {},
+                 held: Callable[[], frozenset[str]] = frozenset) -> None:
         self._latest = latest
         self._names = gpu_names  # bdf -> configured name
+        self._held = held  # GPUs reported from their last walk (lost)
 
     def describe(self):
         return []
@@ -111,10 +119,10 @@ class PcieCollector:
         report = self._latest()
         if report is None:
             return
-        names = self._names()
+        names, held = self._names(), self._held()
         for name in METRIC_HELP:
             fam = None
-            for s in samples(report, names, only=name):
+            for s in samples(report, names, only=name, held=held):
                 if fam is None:
                     if s.type == "counter":
                         fam = CounterMetricFamily(name[: -len("_total")], METRIC_HELP[name], labels=list(s.labels))

@@ -1,6 +1,8 @@
 """GPU identity: which configured name a discovered GPU gets. By PCI address, or PCI id
 plus order among equal cards (sorted by address) — never by cardN index, which swaps
-between boots (INCIDENTS §8). Unnamed GPUs are called `card` + PCI address.
+between boots (INCIDENTS §8). An unnamed GPU, of any vendor, is called by its PCI address
+(`0000:05:00.0`): stable across boots, what lspci, nvidia-smi and the kernel print, and not
+mistaken for the DRM node `cardN` (the old `card` + address read as `card0` + noise).
 
 Identity fails closed. An index is only meaningful while every card of that id is
 present: with the first of two 7900 XTX missing, "index 0" would be the second card, and
@@ -24,7 +26,8 @@ class PciIdentity(Protocol):
 
 
 def default_name(bdf: str) -> str:
-    return f"card{bdf}"
+    """The name of a GPU no config entry names: its PCI address, for every vendor."""
+    return bdf
 
 
 def pci_id_of(d: PciIdentity) -> str:
@@ -122,7 +125,7 @@ def identify(devices: Iterable[PciIdentity], entries: Sequence, known: Mapping[s
 
 def assign_names(devices: Iterable[PciIdentity], gpus: Iterable) -> dict[str, str]:
     """bdf -> name for every device (identified cards by their configured name, the rest
-    `card` + PCI address). `gpus` are config GpuEntry items (name, match)."""
+    their PCI address). `gpus` are config GpuEntry items (name, match)."""
     devices = list(devices)
     ident = identify(devices, list(gpus))
     return {d.bdf: ident.name(d.bdf) for d in devices}

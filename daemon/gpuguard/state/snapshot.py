@@ -65,7 +65,7 @@ class OdState:
 class GpuSnapshot:
     """One GPU at one instant. Units are base units: watts, celsius, hertz, bytes, volts."""
 
-    name: str  # configured name (default: "card" + PCI address)
+    name: str  # configured name (default: the PCI address, state/identity.default_name)
     bdf: str  # 0000:05:00.0
     vendor: str  # hex, "1002"
     device_id: str  # hex, "7551"
