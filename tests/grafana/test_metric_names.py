@@ -36,6 +36,8 @@ EXTRA_NAMES = {
     # Stall episodes (issue 21, engines/metrics.py): with `action: kill` the stalled gauge is 1
     # for ~50 ms, never scraped; GpuguardEngineStalled reads this counter too.
     "gpuguard_engine_stalls_total",
+    # Engines open to the network without an API key (engines/exposure.py, INCIDENTS §10).
+    "gpuguard_engine_exposed",
 }
 # METRICS.md metrics the dashboard deliberately leaves out, and why.
 NOT_ON_DASHBOARD = {

@@ -64,4 +64,13 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
     for name, (buckets, total, count) in sorted(wd.pause_histograms().items()):
         pauses.add_metric([name], [(f"{b:g}", float(n)) for b, n in zip(PAUSE_BUCKETS, buckets)] + [("+Inf", float(count))],
                           total)
-    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, stalls, caches, held, pauses)
+    exposed = GaugeMetricFamily("gpuguard_engine_exposed",
+                                "1 = the engine listens on this address beyond loopback and its API answered "
+                                "without an API key (INCIDENTS §10); 0 = it asked for a key or no API answered "
+                                "there. Checked over loopback every 60 s and at each engine start",
+                                labels=["engine", "address"])
+    for name, found in sorted(wd.exposures().items()):
+        for x in found:
+            if x.verdict != "unprobed":  # bound to one other address: not asked, so not known
+                exposed.add_metric([name, x.listener.endpoint], 1.0 if x.exposed else 0.0)
+    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, stalls, caches, held, pauses, exposed)

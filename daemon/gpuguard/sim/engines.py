@@ -298,6 +298,23 @@ def make_handler(sim: SimEngine):
             self.end_headers()
             self.wfile.write(body)
 
+        def _refused_without_key(self, path: str) -> bool:
+            """--api-key: the API answers 401 to a request without the key, as each engine's
+            own check does (vLLM and SGLang guard /v1/*, llama-server all but /health,
+            /v1/models and /metrics); /health and /metrics stay open."""
+            key = sim.args.api_key
+            if not key or path in ("/health", "/v1/health", "/metrics") or path.startswith("/sim/"):
+                return False
+            if sim.kind == "llamacpp" and path in ("/models", "/v1/models"):
+                return False
+            if sim.kind != "llamacpp" and not path.startswith("/v1/"):
+                return False
+            if self.headers.get("Authorization") == f"Bearer {key}":
+                return False
+            self._send(401, json.dumps({"error": {"code": 401, "message": "Invalid API Key",
+                                                  "type": "authentication_error"}}))
+            return True
+
         def _hang_if_told(self) -> None:
             if sim.hang.is_set():
                 sim.never.wait()  # accepted, never answered
@@ -305,6 +322,8 @@ def make_handler(sim: SimEngine):
         def do_GET(self) -> None:  # noqa: N802
             self._hang_if_told()
             path = self.path.split("?")[0]
+            if self._refused_without_key(path):
+                return
             if path in ("/health", "/v1/health"):
                 return self._health()
             if path == "/metrics":
@@ -360,6 +379,8 @@ def make_handler(sim: SimEngine):
             except ValueError:
                 return self._send(400, json.dumps({"error": "body is not JSON"}))
             path = self.path.split("?")[0]
+            if self._refused_without_key(path):
+                return
             if path in ("/sim/requests", "/v1/completions", "/completion"):
                 cmd = {"op": "add", "count": int(body.get("count", 1)),
                        "max_tokens": int(body.get("max_tokens", body.get("n_predict", 10**9))),
@@ -445,7 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gpuguard.sim.engines", description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", choices=KINDS, required=True)
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: open to the LAN)")
+    p.add_argument("--api-key", help="the API answers 401 without `Authorization: Bearer KEY` (vLLM/SGLang "
+                   "--api-key, llama-server --api-key)")
     p.add_argument("--model")
     p.add_argument("--step-time", type=float, default=0.01, help="seconds per engine step")
     p.add_argument("--slots", type=int, default=4, help="requests running at once; more wait")
