@@ -24,8 +24,11 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
                             "Time since any progress counter (steps, live tokens, prompt tokens) last advanced while "
                             "requests were pending", labels=["engine"])
     dgap = GaugeMetricFamily("gpuguard_engine_decode_gap_seconds",
-                             "Longest time the decode counter was seen flat while requests ran, over the last 300 s "
-                             "(INCIDENTS §9: prefill starving decode)", labels=["engine"])
+                             "Longest time without decode progress while requests ran, over the last 300 s "
+                             "(INCIDENTS §9: prefill starving decode): from the last poll that saw generated "
+                             "tokens move to the first that saw them move again, so the true gap lies within one "
+                             "poll interval (the engine's poll_interval) of it. llama-server: its slots' n_decoded "
+                             "from /slots (absent with --no-slots)", labels=["engine"])
     stalled = GaugeMetricFamily("gpuguard_engine_stalled", "1 = the watchdog declared a stall", labels=["engine"])
     ready = GaugeMetricFamily("gpuguard_engine_time_to_ready_seconds",
                               "Start of the engine's current process to its first ready health answer", labels=["engine"])
