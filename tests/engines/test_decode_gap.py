@@ -109,7 +109,8 @@ PROMPT = 3 * RATE  # the long prompt: 12 batches, ~3 s
 class StreamClient:
     """One streaming request; the arrival time of each token (SSE event) it receives."""
 
-    def __init__(self, url: str, path: str, body: dict) -> None:
+    def __init__(self, url: str, path: str, body: dict, read_timeout: float = 60.0) -> None:
+        self.read_timeout = read_timeout
         self.times: list[float] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -118,7 +119,7 @@ class StreamClient:
 
     def _run(self, url: str, body: dict) -> None:
         try:
-            with httpx.stream("POST", url, json=body, timeout=httpx.Timeout(60.0)) as r:
+            with httpx.stream("POST", url, json=body, timeout=httpx.Timeout(self.read_timeout)) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
