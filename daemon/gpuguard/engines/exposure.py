@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Iterable
 
 from gpuguard.engines.config import EngineConfig
 
+log = logging.getLogger("gpuguard.engines")
 TCP_LISTEN = "0A"
 # An endpoint each kind protects with its API key: vLLM and SGLang guard /v1/*;
 # llama-server leaves /v1/models public even with --api-key (its public_endpoints), /props not.
@@ -35,7 +37,10 @@ class Listener:
 
     @property
     def beyond_loopback(self) -> bool:
-        return not ipaddress.ip_address(self.address).is_loopback
+        ip = ipaddress.ip_address(self.address)
+        if ip.version == 6 and ip.ipv4_mapped is not None:  # ::ffff:127.0.0.1 is loopback too
+            ip = ip.ipv4_mapped
+        return not ip.is_loopback
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,10 @@ class ExposureWatch:
 
     async def update(self, cfg: EngineConfig, pids: Iterable[int], now: float) -> list[Exposure]:
         before = {x.listener.endpoint for x in self.exposures if x.exposed}
-        self.exposures = tuple(await check(cfg, pids))
-        self.checked_at = now
+        self.checked_at = now  # a check that fails is retried at the interval, not every poll
+        try:
+            self.exposures = tuple(await check(cfg, pids))
+        except Exception:  # noqa: BLE001 - advisory: the watch goes on
+            log.exception("engine %s: exposure check failed", cfg.name)
+            return []
         return [x for x in self.exposures if x.exposed and x.listener.endpoint not in before]
