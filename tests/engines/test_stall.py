@@ -296,7 +296,9 @@ def test_decode_gap_is_the_longest_recent_gap_not_the_current_one():
     assert v.decode_gap_seconds == 7.0
     for i in range(8, 12):  # decoding again every poll
         v = ready_at(tr, 100.0 + i, R(2, 0, hb=10 + i, decode=100 + i, prefill=2048 * 7))
-    assert not v.stalled and v.decode_gap_seconds == 7.0  # the longest, still in the window
+    # the longest, still in the window: from 100, the last poll that saw decode move, to 108,
+    # the first that saw it move again
+    assert not v.stalled and v.decode_gap_seconds == 8.0
     v = ready_at(tr, 100.0 + 8 + 301, R(2, 0, hb=500, decode=900, prefill=2048 * 7))
     assert v.decode_gap_seconds == 0.0  # out of the 300 s window
 

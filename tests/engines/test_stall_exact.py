@@ -294,10 +294,10 @@ def test_decode_gap_from_when_decode_work_resumed():
     tr.observe(O(11.0, 7, None, "ready", R(1, 0, hb=2, decode=0)))  # decode work from here on
     v = tr.observe(O(14.5, 7, None, "ready", R(1, 0, hb=3, decode=0)))
     assert v.decode_gap_seconds == 4.5  # since 10.0, the last poll without decode work
-    v = tr.observe(O(15.0, 7, None, "ready", R(1, 0, hb=4, decode=1)))  # decode moved: the 4.5 s gap closed
-    assert v.decode_gap_seconds == 4.5
+    v = tr.observe(O(15.0, 7, None, "ready", R(1, 0, hb=4, decode=1)))  # decode moved: the gap closed
+    assert v.decode_gap_seconds == 5.0  # from 10.0 to 15.0, the first poll that saw decode again
     v = tr.observe(O(315.0, 7, None, "ready", R(1, 0, hb=5, decode=2)))
-    assert v.decode_gap_seconds == 4.5  # closed at 15, exactly the window ago: still counted
+    assert v.decode_gap_seconds == 5.0  # closed at 15, exactly the window ago: still counted
     v = tr.observe(O(315.5, 7, None, "ready", R(1, 0, hb=6, decode=2)))
     assert v.decode_gap_seconds == 0.5  # it has left the window; the current gap is all there is
 
@@ -306,13 +306,13 @@ def test_a_closed_gap_counts_for_the_window_and_a_short_one_too():
     tr = StallTracker(StallSettings(stall_after=600.0), separates_decode=True)
     tr.observe(O(0.0, 7, None, "ready", R(1, 0, hb=0, decode=0)))
     tr.observe(O(0.75, 7, None, "ready", R(1, 0, hb=1, decode=0)))
-    tr.observe(O(1.0, 7, None, "ready", R(1, 0, hb=2, decode=1)))  # a 0.75 s gap closed at 1.0
+    tr.observe(O(1.0, 7, None, "ready", R(1, 0, hb=2, decode=1)))  # a gap from 0.0 closed at 1.0
     v = tr.observe(O(1.5, 7, None, "ready", R(1, 0, hb=3, decode=2)))
-    assert v.decode_gap_seconds == 0.75
+    assert v.decode_gap_seconds == 1.0
     v = tr.observe(O(301.0, 7, None, "ready", R(0, 0, hb=3, decode=2)))  # closed exactly 300 s ago: still in
-    assert v.decode_gap_seconds == 0.75
+    assert v.decode_gap_seconds == 1.0
     v = tr.observe(O(301.5, 7, None, "ready", R(0, 0, hb=3, decode=2)))
-    assert v.decode_gap_seconds == 0.0  # the 0.75 s gap has left the window
+    assert v.decode_gap_seconds == 0.0  # the 1.0 s gap has left the window
 
 
 def test_decode_gap_before_the_first_decode_reading_counts_from_ready():

@@ -39,6 +39,8 @@ EXTRA_NAMES = {
     # The kernel log reader's losses (sinks/metrics.py kernel_log_families): records
     # overwritten in the ring before gpuguard read them; GpuguardKernelLogLost reads it.
     "gpuguard_kernel_log_records_lost_total",
+    # Engines open to the network without an API key (engines/exposure.py, INCIDENTS §10).
+    "gpuguard_engine_exposed",
 }
 # METRICS.md metrics the dashboard deliberately leaves out, and why.
 NOT_ON_DASHBOARD = {

@@ -28,6 +28,7 @@ CONTRACT_ALERTS = {
     "GpuguardEngineStalled",
     "GpuguardEngineDown",
     "GpuguardEngineRestartLoop",
+    "GpuguardEngineExposed",  # INCIDENTS §10: an engine API open to the network without a key
     "GpuguardCacheZeroByteFiles",
     "GpuguardDown",
     "GpuguardAbsent",

@@ -39,6 +39,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     entries: list = []
     exposure: list = []
+    cfg = None
     if args.config:
         # One loader for everything: what the daemon accepts, doctor accepts.
         from gpuguard.config import ConfigError, load_config
@@ -71,6 +72,10 @@ def run(args) -> int:
         from gpuguard.policy.power_doctor import power_findings_from_file
 
         findings += power_findings_from_file(args.config)
+    if cfg is not None:  # INCIDENTS §10: engines open to the network without a key
+        from gpuguard.policy.engine_doctor import engine_findings
+
+        findings += engine_findings(cfg.engines)
     status = exit_status(findings)
     if args.json:
         json.dump({"status": status, "findings": [f.to_dict() for f in findings]}, sys.stdout, indent=2)

@@ -3,6 +3,8 @@ running, waiting, the per-step heartbeat, real-time tokens, decode and prefill p
 and what a /health answer means. Pure: text and status codes in, `EngineReading` out."""
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,6 +52,9 @@ class MetricMap:
     # Used only when no heartbeat series is present (older engine versions); each must
     # still move every step. Completion-time counters never appear here.
     heartbeat_fallback: tuple[Selector, ...] = ()
+    # Decode progress = the counter of finished requests' tokens + the running slots' live
+    # n_decoded from /slots (llama-server: nothing in /metrics counts tokens as they are made)
+    decode_from_slots: bool = False
 
 
 def _sel(*texts: str) -> tuple[Selector, ...]:
@@ -81,7 +86,10 @@ METRIC_MAPS: dict[str, MetricMap] = {
     ),
     # llama-server: n_decode_total is +1 per llama_decode(); tokens_predicted_total is only
     # credited when a slot is released (flat during a long generation). It is exported as
-    # "tokens as reported" and never used as the heartbeat. Each busy slot gets one token per
+    # "tokens as reported" and never used as the heartbeat. Decode progress is generated
+    # tokens: tokens_predicted_total (credited at release with the slot's n_decoded) plus the
+    # processing slots' n_decoded in /slots, never n_decode_total (a decode call may carry
+    # only prompt tokens while a running request gets nothing). Each busy slot gets one token per
     # llama_decode (server-context.cpp metrics_post_decode: n_busy_slots += processing
     # slots), so tokens made = n_busy_slots_per_decode x n_decode_total. Prompt tokens and
     # seconds are credited after a synchronised decode: their ratio is the prefill rate.
@@ -90,7 +98,7 @@ METRIC_MAPS: dict[str, MetricMap] = {
         waiting=_sel("llamacpp:requests_deferred"),
         heartbeat=_sel("llamacpp:n_decode_total"),
         tokens=_sel("llamacpp:tokens_predicted_total"),
-        decode=_sel("llamacpp:n_decode_total"),
+        decode_from_slots=True,
         prefill=_sel("llamacpp:prompt_tokens_total"),
         prefill_seconds=_sel("llamacpp:prompt_seconds_total"),
         slots_per_step=_sel("llamacpp:n_busy_slots_per_decode"),
@@ -98,6 +106,32 @@ METRIC_MAPS: dict[str, MetricMap] = {
 }
 
 HEALTH_PATHS = {"vllm": "/health", "sglang": "/health", "llamacpp": "/health", "generic": "/health"}
+SLOTS_PATH = "/slots"  # llama-server, on unless --no-slots; answered by the main loop like /metrics
+
+
+def slots_decoded(body: str) -> float | None:
+    """Tokens generated so far by llama-server's processing slots: the sum of
+    next_token[0].n_decoded over /slots entries with is_processing (server_slot::to_json).
+    None when the answer is not that list (a build without /slots, --no-slots)."""
+    try:
+        slots = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(slots, list):
+        return None
+    total = 0.0
+    for slot in slots:
+        if not isinstance(slot, dict):
+            return None
+        if not slot.get("is_processing"):
+            continue  # idle, or released: its count is in tokens_predicted_total now
+        nxt = slot.get("next_token")
+        nxt = nxt[0] if isinstance(nxt, list) and nxt else nxt  # a list in current builds, an object before
+        n = nxt.get("n_decoded") if isinstance(nxt, dict) else None
+        if not isinstance(n, (int, float)) or isinstance(n, bool) or math.isnan(n):
+            return None
+        total += n
+    return total
 
 
 class Adapter:
@@ -117,13 +151,16 @@ class Adapter:
                 prefill_seconds=base.prefill_seconds if base else (),
                 slots_per_step=base.slots_per_step if base else (),
                 heartbeat_fallback=() if over.heartbeat else (base.heartbeat_fallback if base else ()),
+                decode_from_slots=bool(base and base.decode_from_slots and not over.decode),
             )
         assert base is not None  # generic without metrics is refused by the config
         self.map = base
         self.health_path = config.health_path or HEALTH_PATHS[config.kind]
-        self.separates_decode = bool(base.decode)
+        self.separates_decode = bool(base.decode) or base.decode_from_slots
+        self.slots_path = SLOTS_PATH if base.decode_from_slots else None
 
-    def read(self, samples: Samples) -> EngineReading:
+    def read(self, samples: Samples, slots_tokens: float | None = None) -> EngineReading:
+        """`slots_tokens`: what `slots_decoded` read from /slots this poll (decode_from_slots)."""
         m = self.map
         heartbeat = samples.total(m.heartbeat)
         if heartbeat is None and m.heartbeat_fallback:
@@ -138,7 +175,8 @@ class Adapter:
             waiting=samples.total(m.waiting),
             heartbeat=heartbeat,
             tokens=tokens,
-            decode=samples.total(m.decode) if m.decode else None,
+            decode=(None if tokens is None or slots_tokens is None else tokens + slots_tokens) if m.decode_from_slots
+            else samples.total(m.decode) if m.decode else None,
             prefill=samples.total(m.prefill) if m.prefill else None,
             prefill_seconds=samples.total(m.prefill_seconds) if m.prefill_seconds else None,
             live_tokens=live,

@@ -24,8 +24,11 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
                             "Time since any progress counter (steps, live tokens, prompt tokens) last advanced while "
                             "requests were pending", labels=["engine"])
     dgap = GaugeMetricFamily("gpuguard_engine_decode_gap_seconds",
-                             "Longest time the decode counter was seen flat while requests ran, over the last 300 s "
-                             "(INCIDENTS §9: prefill starving decode)", labels=["engine"])
+                             "Longest time without decode progress while requests ran, over the last 300 s "
+                             "(INCIDENTS §9: prefill starving decode): from the last poll that saw generated "
+                             "tokens move to the first that saw them move again, so the true gap lies within one "
+                             "poll interval (the engine's poll_interval) of it. llama-server: its slots' n_decoded "
+                             "from /slots (absent with --no-slots)", labels=["engine"])
     stalled = GaugeMetricFamily("gpuguard_engine_stalled", "1 = the watchdog declared a stall", labels=["engine"])
     ready = GaugeMetricFamily("gpuguard_engine_time_to_ready_seconds",
                               "Start of the engine's current process to its first ready health answer", labels=["engine"])
@@ -64,4 +67,13 @@ def engine_metrics(wd: EngineWatchdog) -> Iterable[Metric]:
     for name, (buckets, total, count) in sorted(wd.pause_histograms().items()):
         pauses.add_metric([name], [(f"{b:g}", float(n)) for b, n in zip(PAUSE_BUCKETS, buckets)] + [("+Inf", float(count))],
                           total)
-    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, stalls, caches, held, pauses)
+    exposed = GaugeMetricFamily("gpuguard_engine_exposed",
+                                "1 = the engine listens on this address beyond loopback and its API answered "
+                                "without an API key (INCIDENTS §10); 0 = it asked for a key or no API answered "
+                                "there. Checked over loopback every 60 s and at each engine start",
+                                labels=["engine", "address"])
+    for name, found in sorted(wd.exposures().items()):
+        for x in found:
+            if x.verdict != "unprobed":  # bound to one other address: not asked, so not known
+                exposed.add_metric([name, x.listener.endpoint], 1.0 if x.exposed else 0.0)
+    yield from (up, running, waiting, tokens, tps, gap, dgap, stalled, ready, cpu, actions, stalls, caches, held, pauses, exposed)

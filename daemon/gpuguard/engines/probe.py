@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
-from gpuguard.engines.adapters import Adapter, EngineReading, Health
+from gpuguard.engines.adapters import Adapter, EngineReading, Health, slots_decoded
 from gpuguard.engines.exposition import ExpositionError, Samples
 
 if TYPE_CHECKING:
@@ -87,7 +87,17 @@ class EngineProbe:
             return outcome, body, secs  # type: ignore[return-value]
         return self.adapter.health(status or 0, body), f"HTTP {status}", secs
 
-    async def metrics(self) -> tuple[EngineReading | None, str | None, float, str | None]:
+    async def slots(self) -> float | None:
+        """llama-server's running slots' generated tokens (decode progress); None where the
+        engine has no such endpoint or it did not answer."""
+        path = self.adapter.slots_path
+        if path is None:
+            return None
+        outcome, status, body, _ = await self._get(path, self.adapter.config.http_timeout)
+        return slots_decoded(body) if outcome == "ok" and status == 200 else None
+
+    async def metrics(self, slots: "asyncio.Future[float | None] | None" = None
+                      ) -> tuple[EngineReading | None, str | None, float, str | None]:
         cfg = self.adapter.config
         outcome, status, body, secs = await self._get(cfg.metrics_path, cfg.http_timeout)
         if outcome != "ok":
@@ -98,8 +108,14 @@ class EngineProbe:
             samples = Samples.parse(body, f"{cfg.url}{cfg.metrics_path}")
         except ExpositionError as exc:
             return None, f"garbage: {exc}", secs, body[:4096]
-        return self.adapter.read(samples), None, secs, body
+        return self.adapter.read(samples, await slots if slots is not None else None), None, secs, body
 
     async def poll(self) -> ProbeResult:
-        (h, detail, hs), (reading, err, ms, text) = await asyncio.gather(self.health(), self.metrics())
+        # /slots alongside /metrics, not after: on llama-server both wait for the same main loop
+        slots = asyncio.ensure_future(self.slots())
+        try:
+            (h, detail, hs), (reading, err, ms, text) = await asyncio.gather(self.health(), self.metrics(slots))
+        finally:
+            if not slots.done():
+                slots.cancel()
         return ProbeResult(h, detail, hs, reading, err, ms, text)

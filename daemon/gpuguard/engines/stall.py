@@ -24,8 +24,12 @@ the ceiling). A stopped process, or one using no CPU, gets no stretch. Nothing s
 outside separates such a batch from a spinning hang before that bound; the evidence says so.
 
 `unresponsive`: neither /health nor /metrics answered this poll; the rate is then absent,
-never the last good value. `decode_gap_seconds`: the longest time the decode counter was
-seen flat while requests ran, over the last DECODE_GAP_WINDOW seconds."""
+never the last good value. `decode_gap_seconds`: the longest time without decode progress
+while requests ran, over the last DECODE_GAP_WINDOW seconds, from the last poll that saw the
+decode counter move (or had no decode work) to the first poll that saw it move again: the
+last token before the gap came after the poll before that one, the first after it before the
+closing poll, so the true gap lies within one poll interval of the figure (the gauge's
+resolution). While a gap is open the figure is the time since that last poll."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -132,6 +136,7 @@ class StallTracker:
         self._prefill_rate_from = ""
         self._gaps: list[tuple[float, float]] = []  # (closed at, seconds seen flat)
         self._gap_now = 0.0
+        self._gap_from: float | None = None  # the last poll that saw decode progress, while a gap is open
         self._cpu_moved: bool | None = None
 
     def mark_starting(self) -> None:
@@ -202,9 +207,9 @@ class StallTracker:
                 self._no_decode_work_at = t
             if last.running:
                 a = max(x for x in (self._dec_changed, self._no_decode_work_at, self._running_since) if x is not None)
-                self._gap_now = t - a
+                self._gap_now, self._gap_from = t - a, a
             else:
-                self._gap_now = 0.0
+                self._gap_now, self._gap_from = 0.0, None
             self._gaps = [(at, g) for at, g in self._gaps if at >= t - DECODE_GAP_WINDOW]
             decode_gap = max([self._gap_now] + [g for _, g in self._gaps])
         # CPU of the GPU-owning process
@@ -285,9 +290,11 @@ class StallTracker:
                 self._hb = r.heartbeat
         if r.decode is not None:
             if self._dec is not None and r.decode != self._dec:
+                if self._gap_now > 0 and self._gap_from is not None:
+                    # closed at this poll, the first to see decode resume (not at the last
+                    # flat one: that read every gap one poll short)
+                    self._gaps.append((t, t - self._gap_from))
                 self._dec_changed = t
-                if self._gap_now > 0:
-                    self._gaps.append((t, self._gap_now))
             self._dec = r.decode
         # Tokens over the real time between two answered scrapes (a missed poll widens the
         # interval, it never repeats a rate).

@@ -17,6 +17,7 @@ from gpuguard.engines.adapters import Adapter
 from gpuguard.engines.attribution import GpuAttribution, GpuProcess
 from gpuguard.engines.caches import CacheError, CacheScan, quarantine, scan_zero_byte
 from gpuguard.engines.config import EngineConfig
+from gpuguard.engines.exposure import Exposure, ExposureWatch
 from gpuguard.engines.incidents import IncidentStore
 from gpuguard.engines.probe import EngineProbe, ProbeResult
 from gpuguard.engines.process import EngineProcesses, ProcessLookupFailed, resolve
@@ -62,6 +63,7 @@ class _Engine:
     pause_buckets: list = field(default_factory=lambda: [0] * len(PAUSE_BUCKETS))
     pause_sum: float = 0.0
     pause_count: int = 0
+    exposure: ExposureWatch = field(default_factory=ExposureWatch)  # INCIDENTS §10
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -393,6 +395,12 @@ class EngineWatchdog:
                 e.snapshot = replace(e.snapshot, last_action=e.last_action)
         if e.last_cache_scan is None or now - e.last_cache_scan >= cfg.cache_scan_interval:
             await self._scan_caches(e, now)
+        if procs is None:
+            e.exposure.forget()
+        elif e.exposure.due(now, v.new_pid or v.became_ready):
+            for x in await e.exposure.update(cfg, procs.pids, now):
+                self._event(e, "engine_exposed", "warning", f"engine {cfg.name} {x.sentence()}",
+                            address=x.listener.endpoint, detail=x.detail)
 
     def _remember(self, e: _Engine, v: Verdict, probe: ProbeResult, now: float) -> None:
         """The readings an incident bundle carries, and pause bookkeeping: a
@@ -443,6 +451,10 @@ class EngineWatchdog:
             self._event(e, "engine_pause", "info" if p["worst_state"] not in ("stalled", "unhealthy") else "warning",
                         f"engine {e.cfg.name}: no progress for {seconds:.1f} s, then progress again by itself"
                         f" (running {rec['running']}, waiting {rec['waiting']})", pause=rec)
+
+    def exposures(self) -> dict[str, tuple[Exposure, ...]]:
+        """engine -> its sockets bound beyond loopback at the last check, with their verdicts."""
+        return {n: e.exposure.exposures for n, e in self._engines.items()}
 
     def pause_histograms(self) -> dict[str, tuple[list[int], float, int]]:
         """engine -> (cumulative bucket counts for PAUSE_BUCKETS, sum, count)."""

@@ -7,6 +7,8 @@ requests, with the faults gpuguard must catch, on command:
 
 Control (POST, JSON body optional):
     /sim/requests {"count":1,"max_tokens":N,"prompt_tokens":P}   add requests (also /v1/completions)
+    /v1/completions, /completion with {"stream": true}: one request, its tokens streamed as
+                  server-sent events as the core makes them (a client can time every token)
     /sim/stall    the core stops stepping and spins one CPU core; counters freeze
     /sim/unstall  resume
     /sim/slow {"step_time":S}   slower but still progressing
@@ -18,14 +20,15 @@ Behaviour per kind while loading (--ready-after S) and when stalled follows ENGI
 vLLM does not answer at all while loading and keeps /health 200 while its EngineCore (a
 child process) is hung, /metrics frozen; SGLang answers 503 while starting and /health 503
 after --health-check-timeout when its scheduler (a child process) is stuck; llama-server
-answers 503 "Loading model" while loading, and /health 200 while /metrics blocks when its
-main loop is wedged. --cache-dir models INCIDENTS §7: zero-byte files there make the
+answers 503 "Loading model" while loading, and /health 200 while /metrics (and /slots, each
+slot's n_decoded) blocks when its main loop is wedged. --cache-dir models INCIDENTS §7: zero-byte files there make the
 engine exit 0 at "graph capture"; --write-zero-byte-cache N leaves such files and exits.
 --prefill-rate R --batch-size B [--starve-decode]: prompts computed B tokens per step at R
 tokens/s (a long prompt blocks llama-server's main loop for B/R s; §9 starvation replay)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -212,6 +215,7 @@ class SimEngine:
         self.core_dead = False
         self.core: Core | None = None
         self.child: subprocess.Popen | None = None
+        self.request_ids = itertools.count(1)
 
     @property
     def loading(self) -> bool:
@@ -298,6 +302,23 @@ def make_handler(sim: SimEngine):
             self.end_headers()
             self.wfile.write(body)
 
+        def _refused_without_key(self, path: str) -> bool:
+            """--api-key: the API answers 401 to a request without the key, as each engine's
+            own check does (vLLM and SGLang guard /v1/*, llama-server all but /health,
+            /v1/models and /metrics); /health and /metrics stay open."""
+            key = sim.args.api_key
+            if not key or path in ("/health", "/v1/health", "/metrics") or path.startswith("/sim/"):
+                return False
+            if sim.kind == "llamacpp" and path in ("/models", "/v1/models"):
+                return False
+            if sim.kind != "llamacpp" and not path.startswith("/v1/"):
+                return False
+            if self.headers.get("Authorization") == f"Bearer {key}":
+                return False
+            self._send(401, json.dumps({"error": {"code": 401, "message": "Invalid API Key",
+                                                  "type": "authentication_error"}}))
+            return True
+
         def _hang_if_told(self) -> None:
             if sim.hang.is_set():
                 sim.never.wait()  # accepted, never answered
@@ -305,10 +326,14 @@ def make_handler(sim: SimEngine):
         def do_GET(self) -> None:  # noqa: N802
             self._hang_if_told()
             path = self.path.split("?")[0]
+            if self._refused_without_key(path):
+                return
             if path in ("/health", "/v1/health"):
                 return self._health()
             if path == "/metrics":
                 return self._metrics()
+            if path == "/slots" and sim.kind == "llamacpp":
+                return self._slots()
             if path in ("/v1/models", "/version", "/props"):
                 return self._send(200, json.dumps({"model": sim.model}))
             self._send(404, json.dumps({"error": "not found"}))
@@ -351,6 +376,55 @@ def make_handler(sim: SimEngine):
             body = render_vllm(st, sim.model) if kind == "vllm" else render_sglang(st, sim.model)
             self._send(200, body, "text/plain; version=0.0.4; charset=utf-8")
 
+        def _slots(self) -> None:
+            if sim.loading:
+                return self._send(503, json.dumps({"error": {"code": 503, "message": "Loading model",
+                                                             "type": "unavailable_error"}}))
+            assert sim.core is not None
+            st = sim.core.call_in_loop(sim.core.state)  # a task on the main loop, as /metrics
+            out = []
+            for slot in st["slots"]:
+                row = {"id": slot["id"], "n_ctx": 4096, "speculative": False, "is_processing": slot["is_processing"]}
+                if slot["id_task"] is not None:  # server_slot::to_json: task fields once it ran one
+                    row.update({"id_task": slot["id_task"], "n_prompt_tokens": slot["n_prompt_tokens"],
+                                "next_token": [{"has_next_token": slot["is_processing"], "has_new_line": False,
+                                                "n_remain": -1, "n_decoded": slot["n_decoded"]}]})
+                out.append(row)
+            self._send(200, json.dumps(out))
+
+        def _stream(self, rid: str) -> None:
+            """Server-sent events, one per token of request `rid`, as the engine makes them
+            (OpenAI completion chunks; llama-server /completion {"content": ...})."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            chunk = (json.dumps({"content": " tok", "stop": False}) if sim.kind == "llamacpp" else
+                     json.dumps({"id": rid, "object": "text_completion", "model": sim.model,
+                                 "choices": [{"index": 0, "text": " tok", "finish_reason": None}]}))
+            sent, seq = 0, -1
+            try:
+                while True:
+                    with sim.state_cv:
+                        sim.state_cv.wait_for(lambda: sim.state_seq != seq, timeout=1.0)
+                        seq, st = sim.state_seq, sim.state
+                    done = rid in st.get("streams_done", {})
+                    made = st.get("streams_done", {}).get(rid) if done else st.get("streams", {}).get(rid, 0)
+                    if made is None or (not done and rid not in st.get("streams", {}) and sim.core_dead):
+                        return
+                    if made > sent:
+                        self.wfile.write(f"data: {chunk}\n\n".encode() * (made - sent))
+                        self.wfile.flush()
+                        sent = made
+                    if done:
+                        self.wfile.write(b"data: [DONE]\n\n")
+                        self.wfile.flush()
+                        return
+            except (BrokenPipeError, ConnectionResetError):
+                return  # the client went away
+
         def do_POST(self) -> None:  # noqa: N802
             self._hang_if_told()
             n = int(self.headers.get("Content-Length") or 0)
@@ -360,10 +434,16 @@ def make_handler(sim: SimEngine):
             except ValueError:
                 return self._send(400, json.dumps({"error": "body is not JSON"}))
             path = self.path.split("?")[0]
+            if self._refused_without_key(path):
+                return
             if path in ("/sim/requests", "/v1/completions", "/completion"):
                 cmd = {"op": "add", "count": int(body.get("count", 1)),
                        "max_tokens": int(body.get("max_tokens", body.get("n_predict", 10**9))),
                        "prompt_tokens": int(body.get("prompt_tokens", 16))}
+                if body.get("stream") and path != "/sim/requests":
+                    cmd.update(count=1, rid=f"cmpl-{os.getpid()}-{next(sim.request_ids)}")
+                    sim.command(cmd)
+                    return self._stream(cmd["rid"])
                 sim.command(cmd)
                 return self._send(200, json.dumps({"queued": cmd["count"]}))
             if path == "/sim/stall":
@@ -445,7 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gpuguard.sim.engines", description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", choices=KINDS, required=True)
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: open to the LAN)")
+    p.add_argument("--api-key", help="the API answers 401 without `Authorization: Bearer KEY` (vLLM/SGLang "
+                   "--api-key, llama-server --api-key)")
     p.add_argument("--model")
     p.add_argument("--step-time", type=float, default=0.01, help="seconds per engine step")
     p.add_argument("--slots", type=int, default=4, help="requests running at once; more wait")

@@ -41,6 +41,12 @@ class Request:
     produced: int = 0
     prefilled: bool = False
     prompt_left: int = 0
+    rid: str | None = None  # a streamed request: its tokens are counted in state()["streams"]
+    slot: int = -1  # the slot it runs in (llama-server /slots)
+    task: int = 0
+
+
+STREAMS_DONE_KEPT = 64  # finished streamed requests whose final count state() still carries
 
 
 @dataclass
@@ -98,17 +104,23 @@ class Core:
         self._log_tokens = 0
         self.started = time.time()
         self.beat = 0  # moves every loop turn while the loop is alive (not a metric)
+        self.tasks_seen = 0
+        self.slot_last: dict[int, Request] = {}  # slot -> its latest request (shown after release too)
+        self.streams_done: dict[str, int] = {}
 
     # commands -----------------------------------------------------------------------
-    def add(self, count: int = 1, max_tokens: int = 10**9, prompt_tokens: int = 16) -> None:
+    def add(self, count: int = 1, max_tokens: int = 10**9, prompt_tokens: int = 16, rid: str | None = None) -> None:
         with self.lock:
-            for _ in range(count):
-                self.waiting.append(Request(remaining=max_tokens, prompt=prompt_tokens, prompt_left=prompt_tokens))
+            for i in range(count):
+                self.tasks_seen += 1
+                self.waiting.append(Request(remaining=max_tokens, prompt=prompt_tokens, prompt_left=prompt_tokens,
+                                            rid=rid if i == 0 else None, task=self.tasks_seen))
 
     def command(self, cmd: dict) -> None:
         op = cmd.get("op")
         if op == "add":
-            self.add(int(cmd.get("count", 1)), int(cmd.get("max_tokens", 10**9)), int(cmd.get("prompt_tokens", 16)))
+            self.add(int(cmd.get("count", 1)), int(cmd.get("max_tokens", 10**9)), int(cmd.get("prompt_tokens", 16)),
+                     cmd.get("rid"))
         elif op == "stall":
             self.stalled = True
         elif op == "unstall":
@@ -127,6 +139,8 @@ class Core:
             admitted = []
             while self.waiting and len(self.running) < self.slots:
                 r = self.waiting.pop(0)
+                r.slot = min(set(range(self.slots)) - {x.slot for x in self.running})
+                self.slot_last[r.slot] = r
                 self.running.append(r)
                 admitted.append(r)
             if not self.running:
@@ -188,6 +202,10 @@ class Core:
                 self.finished_tokens += r.produced
                 self.finished_prompt_tokens += r.prompt
                 self.finished_seconds += r.produced * self.step_time
+                if r.rid is not None:
+                    self.streams_done[r.rid] = r.produced
+                    while len(self.streams_done) > STREAMS_DONE_KEPT:
+                        self.streams_done.pop(next(iter(self.streams_done)))
             self._since_log += 1
             if self._since_log >= DECODE_LOG_INTERVAL:
                 now = time.monotonic()
@@ -249,6 +267,14 @@ class Core:
                 "busy_slot_steps": self.busy_slot_steps, "n_tokens_max": self.n_tokens_max,
                 "iteration": self.iteration.to_dict(), "itl": self.itl.to_dict(),
                 "started": self.started, "beat": self.beat, "time": time.time(),
+                "streams": {r.rid: r.produced for r in self.running + self.waiting if r.rid is not None},
+                "streams_done": dict(self.streams_done),
+                # llama-server /slots: each slot's latest request, n_decoded = its tokens so far
+                "slots": [{"id": i, "is_processing": any(r.slot == i for r in self.running),
+                           "id_task": self.slot_last[i].task if i in self.slot_last else None,
+                           "n_prompt_tokens": self.slot_last[i].prompt if i in self.slot_last else None,
+                           "n_decoded": self.slot_last[i].produced if i in self.slot_last else None}
+                          for i in range(self.slots)],
             }
 
 
