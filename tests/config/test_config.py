@@ -110,3 +110,16 @@ def test_the_flight_recorder_lives_in_state_dir_unless_its_path_is_given():
     assert parse_config("state_dir: /srv/gg\n").recorder.path == "/srv/gg/flight.sqlite"
     assert parse_config("state_dir: /srv/gg\nrecorder: {keep_seconds: 600}\n").recorder.path == "/srv/gg/flight.sqlite"
     assert parse_config("state_dir: /srv/gg\nrecorder: {path: /data/f.sqlite}\n").recorder.path == "/data/f.sqlite"
+
+
+def test_psu_alert_hysteresis_is_seconds_and_the_older_interval_count_is_read_at_the_poll_interval():
+    """power.clear_after_seconds is the hysteresis, whatever the poll; a file written with the
+    older clear_after_intervals keeps what it meant at its poll interval."""
+    assert parse_config("power: {clear_after_seconds: 5}\n", "t.yaml").power.clear_after_seconds == 5.0
+    old = parse_config("poll: {interval_seconds: 0.5}\npower: {clear_after_intervals: 20}\n", "t.yaml")
+    assert old.power.clear_after_seconds == 10.0
+    assert parse_config("power: {clear_after_intervals: 5}\n", "t.yaml").power.clear_after_seconds == 5.0
+    (both,) = problems("power: {clear_after_intervals: 5, clear_after_seconds: 5}\n")
+    assert "clear_after_seconds or the older clear_after_intervals, not both" in both
+    (bad,) = problems("power: {clear_after_intervals: 0}\n")
+    assert "power.clear_after_intervals must be a whole number" in bad

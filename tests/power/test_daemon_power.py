@@ -82,7 +82,7 @@ poll: {{interval_seconds: 1.0}}
 gpus:
   - {{name: r9700-a, match: {{bdf: "0000:05:00.0"}}}}
   - {{name: r9700-b, match: {{bdf: "0000:08:00.0"}}}}
-power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, clear_after_intervals: 3,
+power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, clear_after_seconds: 3,
         cpu_budget_ratio: 0.5}}
 """)
     log = open(tmp_path / "daemon.log", "w")
