@@ -54,8 +54,9 @@ FOR_FLOOR = {"GpuguardDown": 6}
 EXPR_SECONDS = [("GpuguardNotPolling", "> 60", 60, 10)]
 
 
-# A range or offset inside an expression: `[10m]`, `[5m:]`, `offset 10m`.
-_WINDOW = re.compile(r"\[(\d+(?:ms|s|m|h|d))(:[^\]]*)?\]|(offset) (\d+(?:ms|s|m|h|d))")
+# A range or offset inside an expression: `[10m]`, `[5m:]`, `offset 10m`, and a window in
+# seconds against the clock: `time() - 600`.
+_WINDOW = re.compile(r"\[(\d+(?:ms|s|m|h|d))(:[^\]]*)?\]|(offset) (\d+(?:ms|s|m|h|d))|(time\(\) - )(\d+)\b")
 # Floor of a scaled window (s): a window holds at least 4 scrapes of 2 s.
 WINDOW_FLOOR = 8
 
@@ -64,6 +65,8 @@ def scale_windows(expr: str, scale: float) -> str:
     """`expr` with every range and offset duration scaled (at least WINDOW_FLOOR s), the same
     factor for all, so `x[w]` and `x offset w` stay one window."""
     def one(m: re.Match) -> str:
+        if m.group(5):
+            return f"time() - {max(WINDOW_FLOOR, round(int(m.group(6)) * scale))}"
         d = m.group(1) or m.group(4)
         short = f"{max(WINDOW_FLOOR, round(seconds(d) * scale))}s"
         return f"offset {short}" if m.group(3) else f"[{short}{m.group(2) or ''}]"

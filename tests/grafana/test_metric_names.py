@@ -36,6 +36,9 @@ EXTRA_NAMES = {
     # Stall episodes (issue 21, engines/metrics.py): with `action: kill` the stalled gauge is 1
     # for ~50 ms, never scraped; GpuguardEngineStalled reads this counter too.
     "gpuguard_engine_stalls_total",
+    # Process start (sinks/metrics.py): a counter of a gpuguard started within a rule's window
+    # is new even at its first answer; one seen again after a scrape gap is not.
+    "gpuguard_start_time_seconds",
 }
 # METRICS.md metrics the dashboard deliberately leaves out, and why.
 NOT_ON_DASHBOARD = {
