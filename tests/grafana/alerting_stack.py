@@ -4,7 +4,9 @@ evaluating a test copy of the rules, Alertmanager (Debian `prometheus-alertmanag
 with the shipped inhibitions to a webhook receiver.
 
 The test copy of the rules is rendered from the shipped file: only the `for:` durations are
-scaled (1 minute -> 3 seconds, at least 1 s), so the same expressions and labels are tested.
+scaled (1 minute -> 3 seconds, at least 1 s), so the same expressions and labels are tested;
+a test of what happens after a rule's window has passed scales the windows inside the
+expressions too (`render_rules(window_scale=...)`), nothing else.
 Scrapes run every 2 s: a loaded CI machine can miss a 1 s scrape deadline, and one or two
 missed scrapes must not page (GpuguardDown waits 6 s, GpuguardAbsent 15 s in the test copy)."""
 from __future__ import annotations
