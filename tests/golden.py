@@ -21,6 +21,7 @@ RUN_DEPENDENT_FAMILIES = {
     "gpuguard_power_sampler_cpu_seconds",  # CPU the sampler thread used
     "gpuguard_power_sampler_hz",  # achieved sampling rate
     "gpuguard_recorder_bytes",  # SQLite page allocation
+    "gpuguard_start_time_seconds",  # wall time the process started
 }
 # Keys of `status --json` that hold wall time or the scanning process's view.
 RUN_DEPENDENT_KEYS = {"time", "scanned_at"}

@@ -161,3 +161,16 @@ def test_config_check_names_the_key_path_of_a_profile_typo(tmp_path):
     assert r.returncode == 1
     assert f"  gpus[2].profile (line 9): profile 'xtx-200' is not defined" in r.stderr, r.stderr
     assert "<top level>" not in r.stderr
+
+
+def test_psu_alert_hysteresis_is_seconds_and_the_older_interval_count_is_read_at_the_poll_interval():
+    """power.clear_after_seconds is the hysteresis, whatever the poll; a file written with the
+    older clear_after_intervals keeps what it meant at its poll interval."""
+    assert parse_config("power: {clear_after_seconds: 5}\n", "t.yaml").power.clear_after_seconds == 5.0
+    old = parse_config("poll: {interval_seconds: 0.5}\npower: {clear_after_intervals: 20}\n", "t.yaml")
+    assert old.power.clear_after_seconds == 10.0
+    assert parse_config("power: {clear_after_intervals: 5}\n", "t.yaml").power.clear_after_seconds == 5.0
+    (both,) = problems("power: {clear_after_intervals: 5, clear_after_seconds: 5}\n")
+    assert "clear_after_seconds or the older clear_after_intervals, not both" in both
+    (bad,) = problems("power: {clear_after_intervals: 0}\n")
+    assert "power.clear_after_intervals must be a whole number" in bad

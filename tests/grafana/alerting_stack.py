@@ -4,7 +4,9 @@ evaluating a test copy of the rules, Alertmanager (Debian `prometheus-alertmanag
 with the shipped inhibitions to a webhook receiver.
 
 The test copy of the rules is rendered from the shipped file: only the `for:` durations are
-scaled (1 minute -> 3 seconds, at least 1 s), so the same expressions and labels are tested.
+scaled (1 minute -> 3 seconds, at least 1 s), so the same expressions and labels are tested;
+a test of what happens after a rule's window has passed scales the windows inside the
+expressions too (`render_rules(window_scale=...)`), nothing else.
 Scrapes run every 2 s: a loaded CI machine can miss a 1 s scrape deadline, and one or two
 missed scrapes must not page (GpuguardDown waits 6 s, GpuguardAbsent 15 s in the test copy)."""
 from __future__ import annotations
@@ -54,12 +56,36 @@ FOR_FLOOR = {"GpuguardDown": 6}
 EXPR_SECONDS = [("GpuguardNotPolling", "> 60", 60, 10)]
 
 
-def render_rules(dest: Path, scale: float = 1 / 20) -> dict[str, float]:
-    """Write alerts.yml with every non-zero `for:` scaled (at least 1 s); return alert -> for (s)."""
+# A range or offset inside an expression: `[10m]`, `[5m:]`, `offset 10m`, and a window in
+# seconds against the clock: `time() - 600`.
+_WINDOW = re.compile(r"\[(\d+(?:ms|s|m|h|d))(:[^\]]*)?\]|(offset) (\d+(?:ms|s|m|h|d))|(time\(\) - )(\d+)\b")
+# Floor of a scaled window (s): a window holds at least 4 scrapes of 2 s.
+WINDOW_FLOOR = 8
+
+
+def scale_windows(expr: str, scale: float) -> str:
+    """`expr` with every range and offset duration scaled (at least WINDOW_FLOOR s), the same
+    factor for all, so `x[w]` and `x offset w` stay one window."""
+    def one(m: re.Match) -> str:
+        if m.group(5):
+            return f"time() - {max(WINDOW_FLOOR, round(int(m.group(6)) * scale))}"
+        d = m.group(1) or m.group(4)
+        short = f"{max(WINDOW_FLOOR, round(seconds(d) * scale))}s"
+        return f"offset {short}" if m.group(3) else f"[{short}{m.group(2) or ''}]"
+
+    return _WINDOW.sub(one, expr)
+
+
+def render_rules(dest: Path, scale: float = 1 / 20, window_scale: float | None = None) -> dict[str, float]:
+    """Write alerts.yml with every non-zero `for:` scaled (at least 1 s); return alert -> for (s).
+    With `window_scale`, the ranges and offsets of the expressions are scaled too (a test of
+    what happens after a rule's window has passed); the expressions are otherwise as shipped."""
     doc = yaml.safe_load(ALERTS.read_text())
     fors = {}
     for g in doc["groups"]:
         for r in g["rules"]:
+            if window_scale is not None:
+                r["expr"] = scale_windows(r["expr"], window_scale)
             for alert, text, secs, floor in EXPR_SECONDS:
                 if r["alert"] == alert:
                     assert text in r["expr"], f"{alert}: expected {text!r} in its expression to scale"

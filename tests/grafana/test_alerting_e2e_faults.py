@@ -53,9 +53,9 @@ gpus:
   - {{name: xtx-1, match: {{bdf: "{XTX1}"}}}}
 kernel: {{udev: false, kmsg_path: "{sim.kmsg_fifo}", state_file: "{tmp_path / 'kmsg-position.json'}"}}
 # INCIDENTS §2: 1300 W supply, 450 W for the rest of the host, alert at 975 W of peaks; it
-# clears after 5 s (20 polls of 0.25 s, as 5 at the default 1 s) 65 W under that line.
+# clears after 5 s 65 W under that line.
 power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, cpu_budget_ratio: 0.5,
-        clear_after_intervals: 20}}
+        clear_after_seconds: 5}}
 engines:
   - {{name: vllm-r, kind: vllm, url: "{engine.url}", process: {{pid_file: "{pid_file}"}}, gpus: [xtx-1],
      stall_after: 1, poll_interval: 0.25, http_timeout: 2, grace: 0.5, action: kill}}

@@ -41,6 +41,9 @@ EXTRA_NAMES = {
     "gpuguard_kernel_log_records_lost_total",
     # Engines open to the network without an API key (engines/exposure.py, INCIDENTS §10).
     "gpuguard_engine_exposed",
+    # Process start (sinks/metrics.py): a counter of a gpuguard started within a rule's window
+    # is new even at its first answer; one seen again after a scrape gap is not.
+    "gpuguard_start_time_seconds",
 }
 # METRICS.md metrics the dashboard deliberately leaves out, and why.
 NOT_ON_DASHBOARD = {

@@ -82,7 +82,7 @@ poll: {{interval_seconds: 1.0}}
 gpus:
   - {{name: r9700-a, match: {{bdf: "0000:05:00.0"}}}}
   - {{name: r9700-b, match: {{bdf: "0000:08:00.0"}}}}
-power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, clear_after_intervals: 3,
+power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, clear_after_seconds: 3,
         cpu_budget_ratio: 0.5}}
 """)
     log = open(tmp_path / "daemon.log", "w")
@@ -186,3 +186,54 @@ power: {{sample_hz: 20, rest_after_seconds: 1, cpu_budget_ratio: 0.5}}
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_psu_alert_clears_after_its_seconds_at_a_half_second_poll(sim, tmp_path):
+    """`poll.interval_seconds: 0.5`: the headroom alert clears 5 s (the default
+    power.clear_after_seconds) after the peaks fell under the clear line, not 5 intervals
+    (2.5 s) after, which split one full-load run into three pages."""
+    mount, ctl = sim
+    for bdf in R9700.values():
+        ctl("set_load", bdf=bdf, level=1.0)
+    port = free_port()
+    cfg = tmp_path / "gpuguard.yaml"
+    cfg.write_text(f"""
+sysfs_root: {mount}
+state_dir: {tmp_path / 'state'}
+listen: {{address: 127.0.0.1, port: {port}}}
+kernel: {{enabled: false}}
+poll: {{interval_seconds: 0.5}}
+gpus:
+  - {{name: r9700-a, match: {{bdf: "0000:05:00.0"}}}}
+  - {{name: r9700-b, match: {{bdf: "0000:08:00.0"}}}}
+power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, cpu_budget_ratio: 0.5}}
+""")
+    log = open(tmp_path / "daemon.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "gpuguard", "run", "--config", str(cfg)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def events(kind):
+        assert proc.poll() is None, (tmp_path / "daemon.log").read_text()
+        return [e for e in httpx.get(f"{base}/v1/events", timeout=5).json() if e["kind"] == kind]
+
+    try:
+        poll_until(lambda: events("power_headroom_low"), timeout=90, what="the PSU headroom alert")
+        for bdf in R9700.values():
+            ctl("set_load", bdf=bdf, level=0.0)
+        ok = poll_until(lambda: events("power_headroom_ok"), timeout=60, what="the alert to clear")[0]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "daemon.log").read_text()
+    # every interval the daemon judged, from the flight recorder: (time, GPU peaks + other)
+    with sqlite3.connect(tmp_path / "state" / "flight.sqlite") as c:
+        intervals = c.execute("SELECT t, gpu_peak_sum_w + other_w FROM power_host WHERE gpu_peak_sum_w IS NOT NULL "
+                              "ORDER BY t").fetchall()
+    clear_line = 1300 * (1 - 0.25 - 0.05)
+    over = [t for t, w in intervals if w >= clear_line and t < ok["time"]]
+    assert over, intervals
+    # from the last interval over the clear line to the all-clear: 5 s, and the interval that
+    # crossed it (late by up to a second on a loaded machine)
+    assert 5.0 <= ok["time"] - max(over) <= 5.0 + 0.5 + 1.0, (ok["time"], intervals)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from gpuguard.config.power import PowerConfig
 from gpuguard.hw import amdgpu
 from gpuguard.hw.sources import AmdgpuSource
@@ -108,15 +110,15 @@ def test_reload_with_a_new_rate_restarts_the_threads_and_dropping_the_budget_end
 def test_peaks_wandering_around_the_line_are_one_alert_cleared_only_clearly_below_for_n_intervals_in_a_row():
     """INCIDENTS §2: a loaded host's peaks wander around the alert line; each dip below it
     is not the supply out of danger. The alert is raised once and clears only after
-    clear_after_intervals intervals in a row clear_margin_ratio of the supply under the line."""
+    clear_after_seconds in a row clear_margin_ratio of the supply under the line."""
     from gpuguard.hw.power_sampler import PowerWindow
     from gpuguard.policy.psu import PsuBudget
 
-    cfg = PowerConfig(psu_watts=1000, other_watts=0, margin_ratio=0.2, clear_margin_ratio=0.05, clear_after_intervals=3)
+    cfg = PowerConfig(psu_watts=1000, other_watts=0, margin_ratio=0.2, clear_margin_ratio=0.05, clear_after_seconds=3)
     budget = PsuBudget(cfg)  # alert line 800 W, clear line 750 W
 
     def interval(peak_w: float, t: float):
-        w = PowerWindow("a", A, "power1_average", t - 0.25, t, 5, peak_w, peak_w, peak_w * 0.7)
+        w = PowerWindow("a", A, "power1_average", t - 1, t, 20, peak_w, peak_w, peak_w * 0.7)
         hp, events = budget.evaluate({"a": w}, t)
         return hp.alerting, [e.kind for e in events]
 
@@ -125,7 +127,7 @@ def test_peaks_wandering_around_the_line_are_one_alert_cleared_only_clearly_belo
     # under the alert line but not under the clear line, for long: the same condition
     for peak in [790, 760, 799, 751] * 5:
         assert interval(peak, next(t)) == (True, [])
-    # clearly under it, but not for 3 intervals in a row: still alerting, no new alert
+    # clearly under it, but not for 3 s (intervals of 1 s) in a row: still alerting, no new alert
     for peak in (700, 700, 780, 700, 700, 820, 700, 700):
         assert interval(peak, next(t)) == (True, [])
     assert interval(700, next(t)) == (False, ["power_headroom_ok"])  # the third in a row
@@ -191,3 +193,73 @@ def test_no_gpu_rests_while_the_host_peaks_are_near_the_psu_line(sim_root):
         assert all(s.rest_w is None for s in watch.sampler.samplers.values())
     finally:
         watch.close()
+
+
+class _Replay:
+    """The sampler's side of PowerWatch replayed from a time series: each poll cycle's
+    window holds the samples a 20 Hz sampler would have read of `watts(t)` since the last."""
+
+    HZ = 20
+
+    def __init__(self, watts, clock) -> None:
+        self.watts, self.clock, self.last = watts, clock, 0.0
+        self.rest_lines: dict = {}
+        self.samplers: dict = {}
+
+    def sync(self, channels) -> None:
+        pass
+
+    def set_rest_lines(self, lines) -> None:
+        self.rest_lines = dict(lines)
+
+    def take_windows(self):
+        from gpuguard.hw.power_sampler import PowerWindow
+
+        start, end = self.last, self.clock.t
+        self.last = end
+        n = round((end - start) * self.HZ)
+        out = {}
+        for gpu, bdf in (("r9700-a", A), ("r9700-b", B)):
+            ws = [self.watts(start + (i + 1) / self.HZ) for i in range(n)]
+            out[gpu] = PowerWindow(gpu, bdf, "power1_average", start, end, n, max(ws), max(ws), sum(ws) / n)
+        return out
+
+    def burst(self, gpu, since=None):
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def _r9700_pair_at_full_load(t: float) -> float:
+    """One R9700's fast-sampled power (W): two at stock under full load for 47 s, peaks
+    around the host's alert line (INCIDENTS §2: 249–289 W per card), with 3-second lulls
+    under the clear line between batches; then idle."""
+    if t >= 47:
+        return 60.0
+    if any(a <= t < a + 3 for a in (10, 24, 37)):
+        return 215.0  # both cards: 430 + 450 W = 880 W, under the 910 W clear line
+    return 289.0 if int(t * 20) % 4 == 0 else 255.0  # peaks 1028 W against the 975 W line
+
+
+@pytest.mark.parametrize("interval", [0.5, 1.0, 2.0])
+def test_psu_alert_hysteresis_is_in_seconds_whatever_the_poll_interval(interval):
+    """Two R9700 at stock, full load for 47 s with lulls of 3 s, polled every 0.5, 1 or 2 s:
+    one power_headroom_low episode each (at 0.5 s the hysteresis counted 5 intervals =
+    2.5 s: three episodes), and the all-clear 5 s after the load ends, within one interval."""
+    clock = SimpleNamespace(t=0.0)
+    hub = Hub()
+    events: list = []
+    hub.on_event(events.append)
+    cfg = PowerConfig(sampler=False, psu_watts=1300, other_watts=450, margin_ratio=0.25)  # default hysteresis
+    watch = PowerWatch(hub, cfg, lambda: [], sampler=_Replay(_r9700_pair_at_full_load, clock), wall=lambda: clock.t)
+    try:
+        for i in range(1, round(70 / interval) + 1):
+            clock.t = i * interval
+            watch.on_cycle(None)
+    finally:
+        watch.close()
+    kinds = [(e.kind, e.time) for e in events if e.kind.startswith("power_headroom")]
+    assert [k for k, _ in kinds] == ["power_headroom_low", "power_headroom_ok"], kinds
+    cleared = kinds[1][1]
+    assert 47 + 5 <= cleared <= 47 + 5 + interval, kinds

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow]  # registered in pyproject.toml
 GPUS = {"r9700-a": "0000:05:00.0", "r9700-b": "0000:08:00.0"}
 # INCIDENTS §2: a 1300 W supply; a dual-socket workstation draws ~450 W besides the GPUs.
 # The budget is loose here: the in-process simulator's read path is the test's reader cost.
-CONFIG = PowerConfig(sample_hz=50, psu_watts=1300, other_watts=450, margin_ratio=0.25, clear_after_intervals=3,
+CONFIG = PowerConfig(sample_hz=50, psu_watts=1300, other_watts=450, margin_ratio=0.25, clear_after_seconds=3,
                      cpu_budget_ratio=0.5)
 PSU_SAFE = Profile(power_cap_w=210, sclk_offset_mhz=-500, vddgfx_offset_mv=-100)
 

@@ -198,3 +198,131 @@ def test_reload_adds_and_removes_webhooks(receiver):
 def test_redact_url():
     assert redact_url("https://hooks.slack.com/services/T0/B0/XXXX") == "https://hooks.slack.com/…"
     assert redact_url("http://10.0.0.5:9000/") == "http://10.0.0.5:9000/"
+
+
+class _Slow(Receiver):
+    """Answers every other POST only after `delay_s`, later than the notifier waits."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.calls = 0
+        handler = self.httpd.RequestHandlerClass
+        outer = self
+        inner = handler.do_POST
+
+        def do_POST(h) -> None:
+            outer.calls += 1
+            if outer.calls % 2 == 0:
+                time.sleep(delay_s)
+            inner(h)
+
+        handler.do_POST = do_POST
+
+
+class _Resetting:
+    """Accepts each connection, reads the request, then resets it (RST, no answer)."""
+
+    def __init__(self) -> None:
+        import struct
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/reset"
+        self.connections = 0
+        self._linger = struct.pack("ii", 1, 0)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            c.settimeout(2)
+            try:
+                c.recv(65536)
+            except OSError:
+                pass
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, self._linger)
+            c.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _webhook_counts(text: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            if s.name.startswith("gpuguard_webhook_") and s.name.endswith("_total"):
+                out.setdefault(s.labels["url"], {})[s.name[len("gpuguard_webhook_"):-len("_total")]] = s.value
+    return out
+
+
+def test_every_admitted_alert_is_sent_dropped_or_given_up_and_counted():
+    """A slow receiver (every other answer later than the timeout), a dead port (300 alerts
+    against a queue of 256) and one that resets every connection: each alert a webhook admits
+    ends as sent, dropped (queue full) or given up (after its last retry), and
+    sent + dropped + given up = admitted on /metrics, exactly, per URL."""
+    slow, reset, dead = _Slow(delay_s=1.5), _Resetting(), dead_url()
+    targets = {  # url -> (alerts published for it, config)
+        slow.url: (10, WebhookConfig(url=slow.url, retries=0, timeout_seconds=0.3, debounce_seconds=0)),
+        dead: (300, WebhookConfig(url=dead, retries=0, timeout_seconds=1, debounce_seconds=0)),
+        reset.url: (5, WebhookConfig(url=reset.url, retries=1, timeout_seconds=1, debounce_seconds=0)),
+    }
+    try:
+        async def main():
+            hub = Hub()
+            metrics = MetricsSink(hub)
+            n = WebhookNotifier(hub, [])
+            metrics.add("webhooks", n.collect)
+            await n.start()
+            try:
+                for url, (count, cfg) in targets.items():
+                    n.configure([cfg])  # one URL at a time: each gets its own count of alerts
+                    for i in range(count):
+                        hub.publish(stall(gpu=f"gpu{i}"))
+                    label = redact_url(url)
+                    await until(lambda: n.sent[label] + n.dropped[label] + n.given_up[label] == count, 30,
+                                f"every alert to {label} sent, dropped or given up")
+                    texts[url] = metrics.render().decode()
+            finally:
+                await n.close()
+
+        texts: dict[str, str] = {}
+        asyncio.run(main())
+    finally:
+        slow.close()
+        reset.close()
+    for url, (count, _) in targets.items():
+        c = _webhook_counts(texts[url])[redact_url(url)]
+        assert c["admitted"] == count, (url, c)
+        assert c["sent"] + c["dropped"] + c["given_up"] == c["admitted"], (url, c)
+    slow_c, dead_c, reset_c = (_webhook_counts(texts[u])[redact_url(u)] for u in (slow.url, dead, reset.url))
+    assert slow_c["sent"] == 5 and slow_c["given_up"] == 5 and slow_c["dropped"] == 0, slow_c
+    assert dead_c["sent"] == 0 and dead_c["dropped"] == 300 - 256 and dead_c["given_up"] == 256, dead_c
+    assert reset_c == {**reset_c, "sent": 0, "dropped": 0, "given_up": 5, "failures": 10}, reset_c
+    assert reset.connections == 10  # the first try and one retry of each
+
+
+def test_a_webhook_removed_by_a_reload_counts_what_it_still_held_as_dropped():
+    dead = dead_url()
+
+    async def main():
+        hub = Hub()
+        n = WebhookNotifier(hub, [WebhookConfig(url=dead, retries=5, debounce_seconds=0)])
+        await n.start()
+        try:
+            for i in range(3):
+                hub.publish(stall(gpu=f"gpu{i}"))
+            label = redact_url(dead)
+            await until(lambda: n.failures[label] >= 1, 5, "the first failed attempt (then a backoff)")
+            n.configure([])  # one alert in its retry backoff, two queued
+            return n.admitted[label], n.sent[label], n.dropped[label], n.given_up[label]
+        finally:
+            await n.close()
+
+    assert asyncio.run(main()) == (3, 0, 3, 0)

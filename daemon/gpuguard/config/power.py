@@ -31,10 +31,12 @@ class PowerConfig(BaseModel):
     # default: 20–50 Hz samples of an averaged sensor under-read the millisecond transients
     # a supply's protection reacts to.
     margin_ratio: float = Field(0.25, ge=0, lt=1.0)
-    # Hysteresis: the alert clears only after this many intervals in a row with the peaks
-    # clear_margin_ratio · psu_watts under the line. Peaks of a loaded host wander around the
-    # line (INCIDENTS §2: 249–289 W per card); clearing on the first dips re-raised it again
-    # and again, one page per dip, for what is one condition.
+    # Hysteresis: the alert clears only after the peaks have stayed clear_margin_ratio ·
+    # psu_watts under the line for this long. Peaks of a loaded host wander around the line
+    # (INCIDENTS §2: 249–289 W per card); clearing on the first dips re-raised it again and
+    # again, one page per dip, for what is one condition. In seconds, not poll intervals: 5
+    # intervals were 2.5 s at a 0.5 s poll, and two R9700 at full load for 47 s paged three
+    # times. The older `clear_after_intervals: N` is read as N poll intervals (Config).
     clear_margin_ratio: float = Field(0.05, ge=0, lt=1.0, description="share of psu_watts under the line that counts as clear")
-    clear_after_intervals: int = Field(5, ge=1, le=1000,
-                                       description="intervals in a row clear of the line before the alert clears")
+    clear_after_seconds: float = Field(5.0, gt=0, le=3600,
+                                       description="seconds in a row clear of the line before the alert clears")

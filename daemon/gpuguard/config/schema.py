@@ -128,6 +128,27 @@ class Config(Strict):
                 data = {**data, "recorder": {**(rec or {}), "path": os.path.join(state_dir, "flight.sqlite")}}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _psu_clear_in_seconds(cls, data: Any) -> Any:
+        """`power.clear_after_intervals: N`, the older spelling of the PSU alert's hysteresis,
+        is N poll intervals: read as N · poll.interval_seconds seconds (config/power.py)."""
+        if not isinstance(data, dict) or not isinstance(data.get("power"), dict):
+            return data
+        power = data["power"]
+        if "clear_after_intervals" not in power:
+            return data
+        if "clear_after_seconds" in power:
+            raise ValueError("power: give clear_after_seconds or the older clear_after_intervals, not both")
+        n = power["clear_after_intervals"]
+        poll = data.get("poll")
+        interval = poll.get("interval_seconds", 1.0) if isinstance(poll, dict) else 1.0
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or not isinstance(interval, (int, float)):
+            raise ValueError(f"power.clear_after_intervals must be a whole number of poll intervals >= 1, got {n!r}; "
+                             "better, give power.clear_after_seconds")
+        rest = {k: v for k, v in power.items() if k != "clear_after_intervals"}
+        return {**data, "power": {**rest, "clear_after_seconds": n * float(interval)}}
+
     @model_validator(mode="after")
     def _cross_references(self) -> "Config":
         """Names that must point at something, checked together: each problem is keyed by

@@ -4,8 +4,9 @@ against the supply (INCIDENTS §2: two R9700 tripped a 1300 W supply at an avera
 
 Owns: `HostPower` (one interval's verdict), the headroom alert with its hysteresis
 (raised when peaks + `other_watts` reach `psu_watts · (1 - margin_ratio)`, cleared only
-after `clear_after_intervals` intervals in a row at least `clear_margin_ratio · psu_watts`
-under that line: one condition, one alert, however the peaks wander around the line) and the advice: which cap or clock /
+after `clear_after_seconds` in a row at least `clear_margin_ratio · psu_watts` under that
+line, whatever the poll interval: one condition, one alert, however the peaks wander around
+the line) and the advice: which cap or clock /
 voltage offsets would restore the margin, from the observed peak-to-average ratio. Pure
 logic over sampler windows and the poll snapshot; writes nothing.
 """
@@ -174,16 +175,16 @@ class PsuBudget:
     def __init__(self, config: Any) -> None:
         self.configure(config)
         self.alerting = False
-        self._below = 0
+        self._below_since: float | None = None  # start of the intervals in a row under the clear line
 
     def configure(self, config: Any) -> None:
         if config.psu_watts is None:  # budget switched off by a reload: no alert can hold
-            self.alerting, self._below = False, 0
+            self.alerting, self._below_since = False, None
         self.psu_w = config.psu_watts
         self.other_w = config.other_watts
         self.margin = config.margin_ratio
         self.clear_margin = config.clear_margin_ratio
-        self.clear_after = config.clear_after_intervals
+        self.clear_after_s = config.clear_after_seconds
 
     @property
     def clear_w(self) -> float | None:
@@ -206,21 +207,27 @@ class PsuBudget:
         advice: tuple[GpuAdvice, ...] = ()
         if limit is not None and peak_sum is not None:
             if over:
-                self._below = 0
+                self._below_since = None
                 advice = advise(sampled, limit, self.other_w, snaps)
                 if not self.alerting:
                     self.alerting = True
                     events.append(self._alert(peak_sum, mean_sum, limit, sampled, advice, now))
             elif self.alerting:
-                # between the clear line and the alert line: still the same condition
-                self._below = self._below + 1 if peak_sum + self.other_w < self.clear_w else 0
-                if self._below >= self.clear_after:
+                # between the clear line and the alert line: still the same condition. The time
+                # under the clear line runs from the start of the first such interval's windows.
+                if peak_sum + self.other_w >= self.clear_w:
+                    self._below_since = None
+                elif self._below_since is None:
+                    self._below_since = min(w.start for w in sampled)
+                below_s = 0.0 if self._below_since is None else now - self._below_since
+                if below_s >= self.clear_after_s - 1e-6:  # float sums of interval lengths
+                    self._below_since = None
                     self.alerting = False
                     events.append(Event(
                         "power_headroom_ok", "info", "power",
                         f"PSU headroom back: GPU peaks {peak_sum:.0f} W + other {self.other_w:.0f} W = "
                         f"{peak_sum + self.other_w:.0f} W, under {self.clear_w:.0f} W ({limit:.0f} W line less "
-                        f"{self.clear_margin:.0%} of the supply) for {self._below} intervals in a row",
+                        f"{self.clear_margin:.0%} of the supply) for {below_s:.1f} s in a row",
                         time=now,
                         fields={"host_peak_watts": peak_sum + self.other_w, "limit_watts": limit, "psu_watts": self.psu_w},
                     ))

@@ -95,10 +95,19 @@ def same_objects(*objects: object) -> tuple:
     return tuple((id(o), o) for o in objects)
 
 
+# Wall time this process started, before it counted anything: the alert rules tell a counter
+# of a gpuguard started within their window (all of it new) from one seen again after a
+# scrape gap (grafana/alerts.yml).
+STARTED = time.time()
+
+
 def build_families() -> Iterable[Metric]:
     build = _g("gpuguard_build_info", "gpuguard build", ["version"])
     build.add_metric([__version__], 1)
     yield build
+    started = _g("gpuguard_start_time_seconds", "Wall time gpuguard started: its counters count from here", [])
+    started.add_metric([], STARTED)
+    yield started
 
 
 def poller_families(hub: Hub) -> Iterable[Metric]:

@@ -6,8 +6,11 @@ Never blocks the loop: the hub callback only puts the event on a bounded queue p
 one worker task per URL sends with httpx, retrying with exponential backoff. A dead or
 slow webhook fills only its own queue (further events for it are dropped and counted) and
 never delays another URL. Failures are counted per URL and exported as
-`gpuguard_webhook_failures_total{url}`, never fatal. INCIDENTS §1: the owner noticed a
-GPU loss 18 minutes late; an alert must leave the host within a second.
+`gpuguard_webhook_failures_total{url}`, never fatal. Every alert a URL admits ends counted
+once, as sent, dropped (queue full, or the URL removed by a reload) or given up (its last
+retry failed): sent + dropped + given up + queued = admitted, per URL, on /metrics.
+INCIDENTS §1: the owner noticed a GPU loss 18 minutes late; an alert must leave the host
+within a second.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import socket
 from typing import TYPE_CHECKING, Iterable
 from urllib.parse import urlsplit
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpuguard.sinks.alert_gate import AlertGate, AlertQueue
 
@@ -63,6 +66,7 @@ class _Target:
         self.queue = AlertQueue(QUEUE_SIZE)  # severity-aware when full (sinks/alert_gate.py)
         self.gate = AlertGate(cfg.debounce_seconds)
         self.task: asyncio.Task | None = None
+        self.in_flight = 0  # the alert being delivered (0 or 1)
 
 
 class WebhookNotifier:
@@ -71,6 +75,8 @@ class WebhookNotifier:
         self.failures: collections.Counter[str] = collections.Counter()  # label -> failed deliveries
         self.sent: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter()
+        self.admitted: collections.Counter[str] = collections.Counter()
+        self.given_up: collections.Counter[str] = collections.Counter()  # last retry failed
         self._targets: dict[str, _Target] = {}
         self._configs = list(webhooks)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -143,6 +149,7 @@ class WebhookNotifier:
             except Exception as e:  # noqa: BLE001 - never lose the alert for a hook
                 log.error("webhook before_send hook failed: %s: %s", type(e).__name__, e)
         for t, e in admitted:
+            self.admitted[t.label] += 1
             dropped = t.queue.put(e)
             if dropped is not None:
                 self.dropped[t.label] += 1
@@ -150,14 +157,25 @@ class WebhookNotifier:
                             dropped.severity)
 
     def _fold(self, t: _Target) -> None:
+        """A URL removed by a reload: its repeats stay counted, and what it still held
+        (queued, or being delivered when its worker is cancelled) is dropped."""
         for kind, n in t.gate.suppressed.items():
             self.suppressed[kind] += n
+        self.dropped[t.label] += len(t.queue) + t.in_flight
 
     # -- delivery --------------------------------------------------------------------------
     async def _worker(self, t: _Target) -> None:
         while True:
             event = await t.queue.get()
-            await self._deliver(t, event)
+            t.in_flight = 1
+            try:
+                ok = await self._deliver(t, event)
+            except Exception as e:  # noqa: BLE001 — not an HTTP error (a bad URL, a bug): this alert, not the worker
+                log.error("webhook url=%s kind=%s not delivered: %s: %s", t.label, event.kind, type(e).__name__, e)
+                ok = False
+            t.in_flight = 0
+            if not ok:
+                self.given_up[t.label] += 1
 
     async def _deliver(self, t: _Target, event: Event) -> bool:
         import httpx  # imported by configure() with the first URL: a host without webhooks never pays it
@@ -198,13 +216,26 @@ class WebhookNotifier:
         )
         sent = CounterMetricFamily("gpuguard_webhook_sent", "Alert events delivered to a webhook", labels=["url"])
         dropped = CounterMetricFamily(
-            "gpuguard_webhook_dropped", "Alert events dropped because the webhook's queue was full", labels=["url"]
+            "gpuguard_webhook_dropped", "Alert events dropped because the webhook's queue was full "
+            "(or the webhook was removed by a reload)", labels=["url"]
         )
-        labels = sorted({t.label for t in self._targets.values()} | set(self.failures) | set(self.sent))
+        admitted = CounterMetricFamily(
+            "gpuguard_webhook_admitted", "Alert events admitted for a webhook (after debounce): each ends sent, "
+            "dropped or given up", labels=["url"])
+        given_up = CounterMetricFamily(
+            "gpuguard_webhook_given_up", "Alert events not delivered to a webhook after all retries", labels=["url"])
+        queued = GaugeMetricFamily(
+            "gpuguard_webhook_queued", "Alert events waiting for a webhook or being delivered now", labels=["url"])
+        labels = sorted({t.label for t in self._targets.values()} | set(self.failures) | set(self.sent)
+                        | set(self.admitted))
+        held = collections.Counter({t.label: len(t.queue) + t.in_flight for t in self._targets.values()})
         for label in labels:
             fam.add_metric([label], self.failures[label])
             sent.add_metric([label], self.sent[label])
             dropped.add_metric([label], self.dropped[label])
+            admitted.add_metric([label], self.admitted[label])
+            given_up.add_metric([label], self.given_up[label])
+            queued.add_metric([label], held[label])
         suppressed = CounterMetricFamily(
             "gpuguard_alerts_suppressed", "Alert events not sent because the same condition (kind, GPU, engine) "
             "was alerted within the webhook's debounce window", labels=["kind"])
@@ -213,4 +244,4 @@ class WebhookNotifier:
             total.update(t.gate.suppressed)
         for kind, n in sorted(total.items()):
             suppressed.add_metric([kind], n)
-        yield from (fam, sent, dropped, suppressed)
+        yield from (fam, sent, dropped, admitted, given_up, queued, suppressed)
