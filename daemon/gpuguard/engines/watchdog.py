@@ -18,6 +18,7 @@ from gpuguard.engines.attribution import GpuAttribution, GpuProcess
 from gpuguard.engines.caches import CacheError, CacheScan, quarantine, scan_zero_byte
 from gpuguard.engines.config import EngineConfig
 from gpuguard.engines.incidents import IncidentStore
+from gpuguard.engines.lapses import Lapses
 from gpuguard.engines.probe import EngineProbe, ProbeResult
 from gpuguard.engines.process import EngineProcesses, ProcessLookupFailed, resolve
 from gpuguard.engines.restarts import RestartLedger
@@ -61,6 +62,7 @@ class _Engine:
     pause_buckets: list = field(default_factory=lambda: [0] * len(PAUSE_BUCKETS))
     pause_sum: float = 0.0
     pause_count: int = 0
+    unobserved_seen: float | None = None  # Lapses.total at its previous observation
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -80,8 +82,10 @@ class EngineWatchdog:
     def __init__(self, configs: Sequence[EngineConfig], audit: Callable[[dict], None],
                  publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time,
                  attribution: GpuAttribution | None = None, incidents: IncidentStore | None = None,
-                 gpu_telemetry: Callable[[Sequence[str]], dict[str, dict]] | None = None) -> None:
+                 gpu_telemetry: Callable[[Sequence[str]], dict[str, dict]] | None = None,
+                 lapses: Lapses | None = None) -> None:
         self.attribution = attribution
+        self.lapses = lapses or Lapses()  # time this watchdog did not run: never an engine's stall
         self.incidents = incidents
         self.gpu_telemetry = gpu_telemetry  # GPU name -> {"busy_ratio", "power_watts"}, now
         self._gpu_procs: list[GpuProcess] = []
@@ -288,6 +292,7 @@ class EngineWatchdog:
                        for e in self._engines.values()}
         if self.attribution is not None:
             self._tasks[" attribution"] = asyncio.create_task(self._attribution_loop(), name="engines:attribution")
+        self._tasks[" lapses"] = asyncio.create_task(self.lapses.run(), name="engines:lapses")
         try:
             # asyncio.wait, not gather: cancelling run() must not wait for the loops first.
             # Re-read each turn: a reload adds and removes loops.
@@ -366,6 +371,7 @@ class EngineWatchdog:
         # The observation's time is when its answers were in (or given up on): a probe that
         # waited out its timeout tells nothing about the moments before it gave up.
         now = self._clock() if now is None else now
+        unobserved = self._unobserved(e)
         if procs is None and probe.health == "ready" and error is None:
             m = cfg.process
             how = (f"systemd unit {m.systemd_unit}" if m.systemd_unit else
@@ -377,8 +383,10 @@ class EngineWatchdog:
             metrics_error=probe.metrics_error if procs else None,
             cpu_seconds=procs.gpu_stat.cpu_seconds if procs else None,
             process_state=procs.gpu_stat.state if procs else None,
-            batch_tokens=procs.batch_tokens if procs else None)
+            batch_tokens=procs.batch_tokens if procs else None, unobserved=unobserved)
         async with e.lock:
+            if unobserved:
+                self._watch_gap(e, unobserved)
             v = e.tracker.observe(obs)
             e.polls += 1
             prev = e.snapshot
@@ -389,6 +397,29 @@ class EngineWatchdog:
                 e.snapshot = replace(e.snapshot, last_action=e.last_action)
         if e.last_cache_scan is None or now - e.last_cache_scan >= cfg.cache_scan_interval:
             await self._scan_caches(e, now)
+
+    def _unobserved(self, e: _Engine) -> float:
+        """Seconds of unobserved time (engines/lapses.py) since this engine's previous
+        observation, the one this observation may have spanned included."""
+        self.lapses.note()
+        seen, e.unobserved_seen = e.unobserved_seen, self.lapses.total
+        return 0.0 if seen is None else self.lapses.total - seen
+
+    def _watch_gap(self, e: _Engine, seconds: float) -> None:
+        """Nobody watched this engine for `seconds`: its stall clock restarts at this poll
+        (engines/stall.py); a stall declared before is judged afresh, and a pause in
+        progress cannot be measured across the gap."""
+        was = e.episode
+        e.episode = e.episode_at = None
+        e.pause = None
+        last = self.lapses.last or {}
+        how = ("the host was suspended" if last.get("suspended", 0) >= last.get("late", 0) else
+               "the daemon did not run (stopped, a paused VM, or its loop held up)")
+        self._event(e, "engine_watch_gap", "warning",
+                    f"engine {e.cfg.name}: not observed for {seconds:.1f} s ({how}); that time is not counted as "
+                    "lack of progress: its stall clock restarts now"
+                    + (f" (the {was} stall declared before is judged afresh)" if was else ""),
+                    unobserved_seconds=round(seconds, 3), lapse=dict(last), episode_dropped=was)
 
     def _remember(self, e: _Engine, v: Verdict, probe: ProbeResult, now: float) -> None:
         """The readings an incident bundle carries, and pause bookkeeping: a
