@@ -424,11 +424,18 @@ class EngineWatchdog:
     def _remember(self, e: _Engine, v: Verdict, probe: ProbeResult, now: float) -> None:
         """The readings an incident bundle carries, and pause bookkeeping: a
         no-progress period that ends with progress (not a kill, not a restart) is a pause."""
+        gpu_now: dict = {}
+        if self.gpu_telemetry is not None and self._gpu_names(e):
+            try:
+                gpu_now = dict(self.gpu_telemetry(self._gpu_names(e)) or {})
+            except Exception:  # noqa: BLE001 - telemetry is optional here
+                gpu_now = {}
         e.samples.append({"t": now, "state": v.state, "health": probe.health, "health_detail": probe.health_detail,
                           "metrics_error": probe.metrics_error,
                           "reading": asdict(probe.reading) if probe.reading is not None else None,
                           "no_progress_seconds": round(v.no_progress_seconds, 3),
-                          "tokens_per_second": v.tokens_per_second, "reason": v.reason})
+                          "tokens_per_second": v.tokens_per_second, "reason": v.reason,
+                          **({"gpu": gpu_now} if gpu_now else {})})
         while e.samples and e.samples[0]["t"] < now - SAMPLE_WINDOW:
             e.samples.popleft()
         if probe.metrics_text is not None:
@@ -444,12 +451,8 @@ class EngineWatchdog:
                            "waiting": r.waiting if r else None, "gpu": {}, "worst_state": v.state}
             if v.state in ("stalled", "unhealthy"):
                 e.pause["worst_state"] = v.state
-            if self.gpu_telemetry is not None:
-                try:
-                    for gpu, t in (self.gpu_telemetry(self._gpu_names(e)) or {}).items():
-                        e.pause["gpu"].setdefault(gpu, []).append(t)
-                except Exception:  # noqa: BLE001 - telemetry is optional here
-                    pass
+            for gpu, t in gpu_now.items():
+                e.pause["gpu"].setdefault(gpu, []).append(t)
         elif v.no_progress_seconds == 0 and e.pause is not None and v.state in ("busy", "idle"):
             p, e.pause = e.pause, None
             seconds = now - p["start"]
@@ -558,14 +561,17 @@ class EngineWatchdog:
         since = now - (e.episode_at or now)
         jitter = 0.1 * cfg.poll_interval
         evidence = dict(e.snapshot.evidence) if e.snapshot else dict(v.evidence)
-        if not e.dumped and since >= cfg.effective_dump_after - cfg.stall_after - jitter and procs is not None:
-            await self._dump(e, procs, v.reason or "stalled", evidence, now)
-        if e.acted or since < cfg.effective_kill_after - cfg.stall_after - jitter:
-            return
-        e.acted = True
+        due = not e.acted and since >= cfg.effective_kill_after - cfg.stall_after - jitter
         action = cfg.action
         if v.state == "unhealthy" and not cfg.act_on_unhealthy:
             action = "alert"
+        if not e.dumped and since >= cfg.effective_dump_after - cfg.stall_after - jitter and procs is not None:
+            # the action in this same poll would leave the stacks nothing to read
+            evidence = await self._dump(e, procs, v.reason or "stalled", evidence, now,
+                                        before_action=due and action != "alert")
+        if not due:
+            return
+        e.acted = True
         if action == "alert" or procs is None:
             e.last_action = f"alert ({v.reason})"
             return
@@ -574,13 +580,18 @@ class EngineWatchdog:
         else:
             await self._restart(e, procs, v.reason or "stalled", evidence, now)
 
-    async def _dump(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float) -> None:
-        """Take the incident bundle: the process snapshot now (bounded), the rest in the
-        background (incidents.py); never more than one per episode."""
+    async def _dump(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float,
+                    before_action: bool = False) -> dict:
+        """Take the incident bundle: the process snapshot now (bounded; before an action
+        the Python stacks too), the rest in the background (incidents.py); never more
+        than one per episode. -> the evidence, with the hang's in words where known."""
         e.dumped = True
         if self.incidents is None:
-            return
+            return evidence
         cfg = e.cfg
+        hang = self._hang_evidence(e, evidence, now)
+        if hang:
+            evidence = {**evidence, "hang": hang}
         decision = {"engine": cfg.name, "kind": cfg.kind, "reason": reason, "time": now, "action": cfg.action,
                     "episode_declared_at": e.episode_at, "evidence": evidence,
                     "graded": {"stall_after": cfg.stall_after, "dump_after": cfg.effective_dump_after,
@@ -589,20 +600,53 @@ class EngineWatchdog:
         samples = list(e.samples) + [{"raw_metrics": r} for r in e.raw]
         try:
             bundle = await self.incidents.begin(cfg.name, now, decision, list(procs.pids), samples,
-                                                list(self._gpu_names(e)), SAMPLE_WINDOW)
+                                                list(self._gpu_names(e)), SAMPLE_WINDOW, before_action=before_action)
         except Exception:  # noqa: BLE001 - evidence is best effort; the action must go on
             log.exception("engine %s: incident bundle failed", cfg.name)
-            return
+            return evidence
         e.last_incident = bundle.path.name
-        self._event(e, "engine_incident", "info", f"engine {cfg.name}: incident bundle {bundle.path}",
-                    path=str(bundle.path), notes=list(bundle.notes))
+        self._event(e, "engine_incident", "info", f"engine {cfg.name}: incident bundle {bundle.path}"
+                    + (f"; {hang}" if hang else ""), path=str(bundle.path), notes=list(bundle.notes))
+        return evidence
+
+    @staticmethod
+    def _hang_evidence(e: _Engine, evidence: dict, now: float) -> str | None:
+        """The GPU's side of the no-progress period (from the poll before it on), in words,
+        where telemetry was read: busy at 100 % while its power fell and no token came is a
+        hang on the GPU (INCIDENTS §1), not a slow step."""
+        flat = evidence.get("no_progress_seconds") or evidence.get("progress_flat_seconds") or 0.0
+        since = now - flat - 1.01 * e.cfg.poll_interval
+        per_gpu: dict[str, list[dict]] = {}
+        for sample in e.samples:
+            if sample["t"] >= since:
+                for gpu, t in (sample.get("gpu") or {}).items():
+                    per_gpu.setdefault(gpu, []).append(t)
+        parts = []
+        for gpu, ts in per_gpu.items():
+            busy = [t["busy_ratio"] for t in ts if t.get("busy_ratio") is not None]
+            power = [t["power_watts"] for t in ts if t.get("power_watts") is not None]
+            if not busy and not power:
+                continue
+            words = f"GPU {gpu}"
+            if busy:
+                words += (f" busy {min(busy) * 100:.0f} %" if min(busy) == max(busy) else
+                          f" busy {min(busy) * 100:.0f}–{max(busy) * 100:.0f} %")
+            if len(power) >= 2 and power[-1] < 0.9 * power[0]:
+                words += f" while its power fell {power[0]:.0f} → {power[-1]:.0f} W"
+            elif power:
+                words += f" at {power[-1]:.0f} W"
+            parts.append(words)
+        if not parts:
+            return None
+        return "; ".join(parts) + (f"; no token came for {flat:.1f} s" if isinstance(flat, (int, float)) and flat
+                                   else "; no token came")
 
     # -- actions -------------------------------------------------------------------------
     async def _kill(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float,
                     who: str = "policy") -> KillResult:
         cfg = e.cfg
         if not e.dumped or e.episode is None:  # per kill: API and kernel kills too
-            await self._dump(e, procs, reason, evidence, now)
+            evidence = await self._dump(e, procs, reason, evidence, now, before_action=True)
         result = await kill_engine(procs.pids, cfg.grace, cgroup=procs.cgroup)
         self._actions[(cfg.name, "kill", reason)] += 1
         e.last_action = f"kill ({reason})"
