@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
 from gpuguard.engines.adapters import Adapter
 from gpuguard.engines.attribution import GpuAttribution, GpuProcess
-from gpuguard.engines.caches import CacheError, CacheScan, quarantine, scan_zero_byte
+from gpuguard.engines.caches import CacheError, CacheScan, quarantine_set, scan_zero_byte
 from gpuguard.engines.config import EngineConfig
 from gpuguard.engines.incidents import IncidentStore
 from gpuguard.engines.lapses import Lapses
@@ -236,12 +236,13 @@ class EngineWatchdog:
         cfg, cache = self.cache_owners()[cache_name]
         e = self._engines[cfg.name]
         scan = await asyncio.to_thread(scan_zero_byte, cache.path)
-        target = await asyncio.to_thread(quarantine, cache.path, "api")
+        target, related = await asyncio.to_thread(quarantine_set, cache.path, cache.related, "api")
         self._actions[(cfg.name, "quarantine", "api")] += 1
+        moved = {"from": str(cache.path), "to": str(target), **({"related": related} if related else {})}
         self._audit(e, "quarantine", "api", who,
                     {"cache": cache_name, "zero_byte_files": scan.zero_byte_files, "files": scan.files},
-                    {"from": str(cache.path), "to": str(target)}, self._clock())
-        return {"from": str(cache.path), "to": str(target), "zero_byte_files": scan.zero_byte_files}
+                    moved, self._clock())
+        return {**moved, "zero_byte_files": scan.zero_byte_files}
 
     # -- GPU attribution -----------------------------------------------------------------
     async def attribute_once(self) -> list[GpuProcess]:
@@ -782,10 +783,11 @@ class EngineWatchdog:
                     caches={n: {"path": str(s.path), "zero_byte_files": s.zero_byte_files} for n, s in scans.items()})
         if not loop.quarantine:
             return
+        related_of = {c.name: c.related for c in cfg.caches}
         for name, scan in broken.items():
             reason = "restart-loop-zero-byte"
             try:
-                target = await asyncio.to_thread(quarantine, scan.path, reason)
+                target, related = await asyncio.to_thread(quarantine_set, scan.path, related_of.get(name, ()), reason)
             except CacheError as exc:
                 self._event(e, "cache_quarantine_failed", "alert", f"cache {name}: {exc}", cache=name)
                 continue
@@ -794,10 +796,12 @@ class EngineWatchdog:
             self._audit(e, "quarantine", reason, "policy",
                         {"cache": name, "zero_byte_files": scan.zero_byte_files, "files": scan.files,
                          "examples": list(scan.examples), "restarts": loop.count, "window_seconds": loop.window},
-                        {"from": str(scan.path), "to": str(target)}, now)
+                        {"from": str(scan.path), "to": str(target), **({"related": related} if related else {})}, now)
+            also = [f"{r['from']} -> {r['to']}" for r in related if "to" in r]
             self._event(e, "cache_quarantined", "alert",
-                        f"cache {name} quarantined: {scan.path} -> {target} ({scan.zero_byte_files} zero-byte files)",
-                        cache=name, path=str(target))
+                        f"cache {name} quarantined: {scan.path} -> {target} ({scan.zero_byte_files} zero-byte files)"
+                        + (f"; with it {', '.join(also)}" if also else ""),
+                        cache=name, path=str(target), related=related)
         await self._scan_caches(e, now)
 
     # -- sinks ---------------------------------------------------------------------------
