@@ -50,6 +50,7 @@ class _Engine:
     gpu_holders: tuple[GpuProcess, ...] = ()  # its processes' holds on GPUs, last scan
     held_by: dict[int, GpuProcess] = field(default_factory=dict)  # pid -> hold, seen while it ran
     vram_alerted: bool = False
+    unobserved_seen: float | None = None  # Lapses.total at its previous observation
     # the graded response and its evidence
     episode_at: float | None = None  # when the current stall/unhealthy episode was declared
     dumped: bool = False
@@ -62,7 +63,6 @@ class _Engine:
     pause_buckets: list = field(default_factory=lambda: [0] * len(PAUSE_BUCKETS))
     pause_sum: float = 0.0
     pause_count: int = 0
-    unobserved_seen: float | None = None  # Lapses.total at its previous observation
 
     @property
     def gpus(self) -> tuple[str, ...]:
