@@ -325,7 +325,7 @@ def test_without_pyspy_the_summary_names_the_missing_stacks_and_why(wedging_engi
     assert not (folder / f"py-spy-{p.pid}.txt").exists()
     assert took <= FAST_TIMEOUT + GRACE + SLACK, took
     # the hang's evidence, in words, in the decision (and so in the report and the audit)
-    hang = json.loads((folder / "decision.json").read_text())["evidence"]["hang"]
+    hang = json.loads((folder / "decision.json").read_text())["evidence"]["gpu_during_stall"]
     fell = re.fullmatch(r"GPU xtx-0 busy 100 % while its power fell (\d+) → (\d+) W; no token came for (\S+) s", hang)
     assert fell and int(fell[1]) > int(fell[2]) and float(fell[3]) >= 1.0 - 0.1 * POLL, hang
-    assert audit[0]["evidence"]["hang"] == hang
+    assert audit[0]["evidence"]["gpu_during_stall"] == hang

@@ -585,14 +585,15 @@ class EngineWatchdog:
                     before_action: bool = False) -> dict:
         """Take the incident bundle: the process snapshot now (bounded; before an action
         the Python stacks too), the rest in the background (incidents.py); never more
-        than one per episode. -> the evidence, with the hang's in words where known."""
+        than one per episode. -> the evidence, with the GPU's side of the stall in words
+        where known (`gpu_during_stall`)."""
         e.dumped = True
         if self.incidents is None:
             return evidence
         cfg = e.cfg
         hang = self._hang_evidence(e, evidence, now)
         if hang:
-            evidence = {**evidence, "hang": hang}
+            evidence = {**evidence, "gpu_during_stall": hang}
         decision = {"engine": cfg.name, "kind": cfg.kind, "reason": reason, "time": now, "action": cfg.action,
                     "episode_declared_at": e.episode_at, "evidence": evidence,
                     "graded": {"stall_after": cfg.stall_after, "dump_after": cfg.effective_dump_after,
@@ -614,8 +615,11 @@ class EngineWatchdog:
     def _hang_evidence(e: _Engine, evidence: dict, now: float) -> str | None:
         """The GPU's side of the no-progress period (from the poll before it on), in words,
         where telemetry was read: busy at 100 % while its power fell and no token came is a
-        hang on the GPU (INCIDENTS §1), not a slow step."""
-        flat = evidence.get("no_progress_seconds") or evidence.get("progress_flat_seconds") or 0.0
+        hang on the GPU (INCIDENTS §1), not a slow step. None without a no-progress period
+        (a kernel hook's or the API's kill of a progressing engine) or telemetry."""
+        flat = evidence.get("no_progress_seconds") or evidence.get("progress_flat_seconds")
+        if not isinstance(flat, (int, float)) or flat <= 0:
+            return None
         since = now - flat - 1.01 * e.cfg.poll_interval
         per_gpu: dict[str, list[dict]] = {}
         for sample in e.samples:
@@ -639,8 +643,7 @@ class EngineWatchdog:
             parts.append(words)
         if not parts:
             return None
-        return "; ".join(parts) + (f"; no token came for {flat:.1f} s" if isinstance(flat, (int, float)) and flat
-                                   else "; no token came")
+        return "; ".join(parts) + f"; no token came for {flat:.1f} s"
 
     # -- actions -------------------------------------------------------------------------
     async def _kill(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float,
