@@ -329,3 +329,24 @@ def test_without_pyspy_the_summary_names_the_missing_stacks_and_why(wedging_engi
     fell = re.fullmatch(r"GPU xtx-0 busy 100 % while its power fell (\d+) → (\d+) W; no token came for (\S+) s", hang)
     assert fell and int(fell[1]) > int(fell[2]) and float(fell[3]) >= 1.0 - 0.1 * POLL, hang
     assert audit[0]["evidence"]["gpu_during_stall"] == hang
+
+
+@NEEDS_PYSPY
+def test_a_pyspy_failure_names_its_real_reason(tmp_path):
+    """py-spy's own words ("Failed to parse python binary ... No such file") were put down
+    to ptrace; the reason is read from the process and py-spy's output."""
+    import subprocess
+
+    store = IncidentStore(tmp_path / "incidents")
+    gone = subprocess.Popen(["python3", "-c", "pass"])
+    gone.wait(30)
+    not_python = subprocess.Popen(["sleep", "60"])
+    try:
+        out = asyncio.run(store._dump_stacks(gone.pid, nonblocking=True))
+        assert out[1] == "py-spy exited 1: the process had exited", out
+        out = asyncio.run(store._dump_stacks(not_python.pid, nonblocking=True))
+        assert out[1] == "py-spy exited 1: not a Python process py-spy can read", out
+        assert out[0].startswith("py-spy exited 1 (not a Python process py-spy can read):\n")
+    finally:
+        not_python.kill()
+        not_python.wait(10)
