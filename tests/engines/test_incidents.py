@@ -301,11 +301,11 @@ def test_the_stacks_are_taken_before_the_kill_when_it_follows_at_once(wedging_en
     gone ("Failed to parse python binary ... No such file"), and the summary said complete."""
     store = IncidentStore(tmp_path / "incidents", collector_timeout=30)
     p, folder, took, audit = _wedge_and_kill(wedging_engine, store)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["complete"] and summary["missing"] == [], (summary, took)
     text = (folder / f"py-spy-{p.pid}.txt").read_text()
     assert "wedged_in_the_decode_step_xyzzy" in text and "exited" not in text, text
     assert 'Thread' in text and '"decode"' in text, text  # every thread, by name
-    summary = json.loads((folder / "summary.json").read_text())
-    assert summary["complete"] and summary["missing"] == [], summary
     # the stacks come within the snapshot's ~1 s budget: the kill still follows at once
     assert took <= FAST_TIMEOUT + GRACE + SLACK, took
     assert audit[0]["result"]["gone"]
