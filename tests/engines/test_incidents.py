@@ -299,7 +299,12 @@ def _wedge_and_kill(wedging_engine, store, gpu_telemetry=None):
 def test_the_stacks_are_taken_before_the_kill_when_it_follows_at_once(wedging_engine, tmp_path):
     """dump_after = kill_after (the default): py-spy run after the SIGTERM found the process
     gone ("Failed to parse python binary ... No such file"), and the summary said complete."""
-    store = IncidentStore(tmp_path / "incidents", collector_timeout=30)
+    # the binary pip put beside this Python, not a version manager's shell shim in front of
+    # it (pyenv's costs ~0.3 s a call, seconds on a loaded box: the budget is ~1 s)
+    import sys
+    beside = Path(sys.executable).with_name("py-spy")
+    store = IncidentStore(tmp_path / "incidents", collector_timeout=30,
+                          pyspy=str(beside) if beside.is_file() else "auto")
     p, folder, took, audit = _wedge_and_kill(wedging_engine, store)
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["complete"] and summary["missing"] == [], (summary, took)
