@@ -98,6 +98,7 @@ def test_the_commented_examples_in_the_annotated_config_are_valid():
     assert [e.name for e in c.engines] == ["qwen", "gemma", "custom"]
     qwen = c.engines[0]  # the graded response, as the comments explain it
     assert (qwen.stall_after, qwen.effective_dump_after, qwen.effective_kill_after) == (60, 90, 180)
+    assert [str(p) for p in qwen.caches[0].related] == ["/var/cache/sglang/triton"] and qwen.act_on_unhealthy
     assert c.webhooks and c.webhooks[0].retries == 3
 
 

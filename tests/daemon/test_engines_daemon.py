@@ -82,8 +82,8 @@ def test_stalled_engine_alerts_the_webhook_within_a_second_and_is_killed(sim, st
     acts = {dict(l)["reason"]: v for (n, l), v in m.items() if n == "gpuguard_engine_actions_total" and dict(l)["engine"] == "vllm-a"}
     assert sum(acts.values()) == 1, acts
     # issue 22: the kill left an incident bundle under state_dir/incidents, listed by the API
-    bundles = wait_for(lambda: [b for b in httpx.get(f"{d.base}/v1/incidents", timeout=5).json() if b.get("complete")],
-                       timeout=30, what="a complete incident bundle")
+    bundles = wait_for(lambda: [b for b in httpx.get(f"{d.base}/v1/incidents", timeout=5).json() if "summary.json" in b["files"]],
+                       timeout=30, what="a finished incident bundle")
     assert bundles[0]["engine"] == "vllm-a" and "processes.json" in bundles[0]["files"]
     assert bundles[0]["path"].startswith(str(tmp_path / "state" / "incidents"))
     assert "context.json" in bundles[0]["files"]  # GPU telemetry and kernel lines of those minutes
@@ -115,8 +115,8 @@ def test_kernel_hang_on_a_gpu_kills_its_engine_at_once(sim, start_daemon, engine
     assert any(e["kind"] == "engine_killed" and e["engine"] == "llama-xtx" for e in events)
     # issue 22: a kill without a stall episode leaves its evidence too: one bundle, for
     # the killed engine only, whose decision names the kernel line that caused it
-    bundles = wait_for(lambda: [b for b in httpx.get(f"{d.base}/v1/incidents", timeout=5).json() if b.get("complete")],
-                       timeout=30, what="a complete incident bundle for the kernel kill")
+    bundles = wait_for(lambda: [b for b in httpx.get(f"{d.base}/v1/incidents", timeout=5).json() if "summary.json" in b["files"]],
+                       timeout=30, what="a finished incident bundle for the kernel kill")
     assert [b["engine"] for b in bundles] == ["llama-xtx"], bundles
     decision = json.loads(open(os.path.join(bundles[0]["path"], "decision.json")).read())
     assert decision["reason"] == "gpu_hang" and decision["evidence"]["gpu"] == "xtx-0", decision

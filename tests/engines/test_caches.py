@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,66 @@ def test_quarantine_refuses_broken_and_missing(tmp_path):
         quarantine(b, "r")
     with pytest.raises(CacheError, match="not a directory"):
         quarantine(tmp_path / "missing", "r")
+
+
+def test_a_cache_and_its_related_folders_are_one_set_under_one_stamp(tmp_path):
+    from gpuguard.engines.caches import quarantine_set
+
+    cache, triton = tmp_path / "torch_compile_cache", tmp_path / "triton"
+    cache.mkdir()
+    _make(cache)
+    (triton / "k1").mkdir(parents=True)
+    (triton / "k1" / "kernel.json").write_text("{}")
+    target, related = quarantine_set(cache, [triton, tmp_path / "absent"], "restart loop", when=0)
+    assert target.name == "torch_compile_cache.BROKEN-19700101T000000Z-restart-loop"
+    assert related == [{"from": str(triton), "to": str(tmp_path / "triton.BROKEN-19700101T000000Z-restart-loop")},
+                       {"from": str(tmp_path / "absent"), "absent": "yes"}]
+    assert (tmp_path / "triton.BROKEN-19700101T000000Z-restart-loop" / "k1" / "kernel.json").read_text() == "{}"
+
+
+def test_a_related_folder_that_cannot_move_puts_the_set_back(tmp_path):
+    from gpuguard.engines.caches import quarantine_set
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "k.py").write_text("x")
+    stale = tmp_path / "old.BROKEN-x"  # a folder the quarantine refuses to rename
+    stale.mkdir()
+    with pytest.raises(CacheError, match=r"related folder of .*already a quarantined folder.*nothing was moved"):
+        quarantine_set(cache, [stale], "r", when=0)
+    assert (cache / "k.py").read_text() == "x" and stale.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "old.BROKEN-x"]
+
+
+def test_a_related_folder_nested_with_its_cache_is_refused_naming_the_key():
+    from pydantic import ValidationError
+
+    from gpuguard.engines.config import CacheFolder
+
+    ok = CacheFolder.model_validate({"name": "torch", "path": "/c/torch", "related": ["/c/triton"]})
+    assert ok.related == [Path("/c/triton")] and CacheFolder(name="x", path=Path("/c/x")).related == []
+    for nested in ("/c/torch/triton", "/c", "/c/torch"):
+        with pytest.raises(ValidationError, match=rf"caches\.torch\.related: {nested} is /c/torch or nested with it"):
+            CacheFolder.model_validate({"name": "torch", "path": "/c/torch", "related": [nested]})
+
+
+def test_a_quarantine_asked_by_name_moves_the_related_folders_and_audits_both(tmp_path):
+    import asyncio
+
+    from gpuguard.engines.config import EngineConfig
+    from gpuguard.engines.watchdog import EngineWatchdog
+
+    cache, triton = tmp_path / "torch_compile_cache", tmp_path / "triton"
+    cache.mkdir()
+    _make(cache)
+    (triton / "k1").mkdir(parents=True)
+    cfg = EngineConfig.model_validate({"name": "e", "kind": "vllm", "url": "http://127.0.0.1:1", "process": {"cmdline": "x"},
+                                       "caches": [{"name": "torch", "path": str(cache), "related": [str(triton)]}]})
+    audit: list = []
+    wd = EngineWatchdog([cfg], audit.append, lambda ev: None)
+    out = asyncio.run(wd.quarantine_asked("torch", "alice"))
+    (moved,) = tmp_path.glob("triton.BROKEN-*")
+    assert out["to"].endswith(moved.name.removeprefix("triton")) and not triton.exists() and (moved / "k1").is_dir()
+    assert out["related"] == [{"from": str(triton), "to": str(moved)}] and out["zero_byte_files"] == 2
+    (rec,) = audit
+    assert rec["who"] == "alice" and rec["result"] == {"from": str(cache), "to": out["to"], "related": out["related"]}

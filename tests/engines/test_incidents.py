@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.engines.incidents import Collector, IncidentStore
+from gpuguard.engines.incidents import FAST_TIMEOUT, Collector, IncidentStore
 from gpuguard.engines.metrics import engine_metrics
 from gpuguard.engines.watchdog import EngineWatchdog
 
@@ -83,7 +84,9 @@ def test_sigstopped_engine_yields_a_bundle_then_is_killed_at_kill_after(sims, tm
     decision = json.loads(files["decision.json"])
     assert decision["graded"] == {"stall_after": 1.0, "dump_after": 1.5, "kill_after": 3.0}
     summary = json.loads(files["summary.json"])
-    assert summary["complete"] and summary["engine"] == "e"
+    assert summary["engine"] == "e"
+    # this store runs without py-spy: the Python engine's stacks are the one missing part
+    assert not summary["complete"] and summary["missing"] == [f"py-spy-{sim.pid}.txt (Python stacks)"], summary
     assert wd.snapshots()["e"].last_incident == folder.name
 
 
@@ -224,3 +227,131 @@ def test_a_hanging_dump_does_not_delay_the_kill(sims, tmp_path):
     summary = json.loads((folder / "summary.json").read_text())
     assert "forced hang: abandoned after 3 s" in summary["notes"]
     assert (folder / "processes.json").exists()
+
+
+# A Python engine of its own (kind generic): a decode thread steps a counter until told to
+# wedge (SIGUSR1), then spins inside a function of a name no library has; its HTTP thread
+# answers /health and /metrics throughout, the heartbeat flat once wedged.
+WEDGING_ENGINE = r"""
+import signal, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+steps, wedge = [0], threading.Event()
+def wedged_in_the_decode_step_xyzzy():
+    x = 0
+    while True:
+        x += 1
+def decode():
+    while not wedge.is_set():
+        steps[0] += 1
+        time.sleep(0.01)
+    wedged_in_the_decode_step_xyzzy()
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        body = (f"engine_running 1\nengine_waiting 0\nengine_steps_total {steps[0]}\n" if self.path == "/metrics"
+                else "ok").encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+signal.signal(signal.SIGUSR1, lambda *a: wedge.set())
+srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+threading.Thread(target=decode, daemon=True, name="decode").start()
+print(srv.server_address[1], flush=True)
+srv.serve_forever()
+"""
+
+
+@pytest.fixture
+def wedging_engine():
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", WEDGING_ENGINE, "--wedging-engine"], stdout=subprocess.PIPE, text=True)
+    port = int(p.stdout.readline())
+    yield p, port
+    p.kill()
+    p.wait(10)
+
+
+def _wedge_and_kill(wedging_engine, store, gpu_telemetry=None):
+    p, port = wedging_engine
+    cfg = engine_cfg("py", "generic", f"http://127.0.0.1:{port}", process={"cmdline": r"--wedging-engine$"},
+                     gpus=["xtx-0"],
+                     metrics={"running": ["engine_running"], "waiting": ["engine_waiting"],
+                              "heartbeat": ["engine_steps_total"]},
+                     poll_interval=POLL, http_timeout=HTTP_TIMEOUT, grace=GRACE, action="kill", stall_after=1.0)
+    audit, events = [], []
+    wd = EngineWatchdog([cfg], audit.append, events.append, incidents=store, gpu_telemetry=gpu_telemetry)
+
+    async def scenario():
+        assert await run_watchdog_until(wd, lambda: (s := wd.snapshots().get("py")) and s.state == "busy"
+                                        and s.polls >= 4, 20), wd.snapshots()
+        os.kill(p.pid, signal.SIGUSR1)
+        assert await run_watchdog_until(wd, lambda: audit and not alive(p.pid), 30), _kinds(events)
+        await store.aclose(30)
+
+    asyncio.run(scenario())
+    declared = next(e.time for e in events if e.kind == "engine_stalled")
+    killed = next(e.time for e in events if e.kind == "engine_killed")
+    (folder,) = store.root.iterdir()
+    return p, folder, killed - declared, audit
+
+
+@NEEDS_PYSPY
+def test_the_stacks_are_taken_before_the_kill_when_it_follows_at_once(wedging_engine, tmp_path):
+    """dump_after = kill_after (the default): py-spy run after the SIGTERM found the process
+    gone ("Failed to parse python binary ... No such file"), and the summary said complete."""
+    # the binary pip put beside this Python, not a version manager's shell shim in front of
+    # it (pyenv's costs ~0.3 s a call, seconds on a loaded box: the budget is ~1 s)
+    import sys
+    beside = Path(sys.executable).with_name("py-spy")
+    store = IncidentStore(tmp_path / "incidents", collector_timeout=30,
+                          pyspy=str(beside) if beside.is_file() else "auto")
+    p, folder, took, audit = _wedge_and_kill(wedging_engine, store)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["complete"] and summary["missing"] == [], (summary, took)
+    text = (folder / f"py-spy-{p.pid}.txt").read_text()
+    assert "wedged_in_the_decode_step_xyzzy" in text and "exited" not in text, text
+    assert 'Thread' in text and '"decode"' in text, text  # every thread, by name
+    # the stacks come within the snapshot's ~1 s budget: the kill still follows at once
+    assert took <= FAST_TIMEOUT + GRACE + SLACK, took
+    assert audit[0]["result"]["gone"]
+
+
+def test_without_pyspy_the_summary_names_the_missing_stacks_and_why(wedging_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # py-spy is not on this PATH
+    store = IncidentStore(tmp_path / "incidents")
+    # the GPU as the poller reads it during the stall: busy 100 %, its power falling
+    watts = iter(range(270, 0, -15))
+    p, folder, took, audit = _wedge_and_kill(
+        wedging_engine, store, lambda gpus: {g: {"busy_ratio": 1.0, "power_watts": float(next(watts))} for g in gpus})
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["complete"] is False, summary
+    assert summary["missing"] == [f"py-spy-{p.pid}.txt (Python stacks)"], summary
+    assert any(n.startswith(f"py-spy-{p.pid}.txt (Python stacks) missing: py-spy not installed") for n in summary["notes"])
+    assert not (folder / f"py-spy-{p.pid}.txt").exists()
+    assert took <= FAST_TIMEOUT + GRACE + SLACK, took
+    # the hang's evidence, in words, in the decision (and so in the report and the audit)
+    hang = json.loads((folder / "decision.json").read_text())["evidence"]["gpu_during_stall"]
+    fell = re.fullmatch(r"GPU xtx-0 busy 100 % while its power fell (\d+) → (\d+) W; no token came for (\S+) s", hang)
+    assert fell and int(fell[1]) > int(fell[2]) and float(fell[3]) >= 1.0 - 0.1 * POLL, hang
+    assert audit[0]["evidence"]["gpu_during_stall"] == hang
+
+
+@NEEDS_PYSPY
+def test_a_pyspy_failure_names_its_real_reason(tmp_path):
+    """py-spy's own words ("Failed to parse python binary ... No such file") were put down
+    to ptrace; the reason is read from the process and py-spy's output."""
+    import subprocess
+
+    store = IncidentStore(tmp_path / "incidents")
+    gone = subprocess.Popen(["python3", "-c", "pass"])
+    gone.wait(30)
+    not_python = subprocess.Popen(["sleep", "60"])
+    try:
+        out = asyncio.run(store._dump_stacks(gone.pid, nonblocking=True))
+        assert out[1] == "py-spy exited 1: the process had exited", out
+        out = asyncio.run(store._dump_stacks(not_python.pid, nonblocking=True))
+        assert out[1] == "py-spy exited 1: not a Python process py-spy can read", out
+        assert out[0].startswith("py-spy exited 1 (not a Python process py-spy can read):\n")
+    finally:
+        not_python.kill()
+        not_python.wait(10)

@@ -23,9 +23,10 @@ BOUND = STALL_AFTER + POLL + GRACE + HTTP_TIMEOUT + SLACK
 
 
 def _watch(sim, kind, **kw):
+    opts = dict(gpus=["gpu0"], stall_after=STALL_AFTER, poll_interval=POLL, http_timeout=HTTP_TIMEOUT,
+                grace=GRACE, action="kill")
     return engine_cfg(f"{kind}0", kind, sim.url, process={"cmdline": rf"--kind {kind} --port {sim.port}( |$)"},
-                      gpus=["gpu0"], stall_after=STALL_AFTER, poll_interval=POLL, http_timeout=HTTP_TIMEOUT,
-                      grace=GRACE, action="kill", **kw)
+                      **{**opts, **kw})
 
 
 def _stall_and_watch(sim, cfg):
@@ -97,3 +98,31 @@ def test_stalled_sglang_scheduler_spin_is_evidence(sims):
     assert ev["running"] == 3 and ev["gpu_pid"] == pids[1]
     # the scheduler spins one core (measured from /proc over the window)
     assert ev["cpu_percent"] is not None and ev["cpu_percent"] > 30
+
+
+def test_unhealthy_sglang_with_act_on_unhealthy_off_is_alerted_not_killed(sims):
+    """`act_on_unhealthy: false`: failing health alone (SGLang's /health answering 503 while
+    its scheduler is stuck) is alerted, never acted on, whatever `action` says."""
+    sim = sims("sglang", "--health-check-timeout", "0.2")
+    pids = sim.tree()
+    assert len(pids) == 2, "the SGLang sim runs its scheduler as a child process"
+    # unhealthy_after well under stall_after: the failing health is what is judged (the
+    # stuck scheduler's CPU spin would be a stall only after stall_after)
+    cfg = _watch(sim, "sglang", stall_after=60.0, unhealthy_after=1.0, health_timeout=1.0, act_on_unhealthy=False)
+    audit, events = [], []
+    wd = EngineWatchdog([cfg], audit.append, events.append)
+
+    async def scenario():
+        assert await run_watchdog_until(wd, lambda: (s := wd.snapshots().get(cfg.name)) and s.state == "idle"
+                                        and s.health == "ready", 20), wd.snapshots()
+        await asyncio.to_thread(sim.control, "stall")  # the scheduler stops answering the health probe
+        return await run_watchdog_until(
+            wd, lambda: (s := wd.snapshots().get(cfg.name)) and s.last_action is not None and s, 20)
+
+    snap = asyncio.run(scenario())
+    assert snap, f"never acted; events={[e.kind for e in events]} snapshots={wd.snapshots()}"
+    unhealthy = [e for e in events if e.kind == "engine_unhealthy"]
+    assert unhealthy and unhealthy[0].fields["reason"] == "health_failing", [e.kind for e in events]
+    assert snap.last_action == "alert (health_failing)" and snap.health == "failed", snap
+    assert "engine_killed" not in [e.kind for e in events] and audit == []
+    assert all(alive(p) for p in pids) and wd.actions_total() == {}

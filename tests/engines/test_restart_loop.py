@@ -83,3 +83,40 @@ def test_restart_loop_without_quarantine_policy_only_reports(tmp_path, sims):
     assert "zero-byte files in c (2)" in loop_ev.message
     assert cache.is_dir() and not list(tmp_path.glob("cache.BROKEN-*"))
     assert not [r for r in audit if r["what"] == "quarantine"]
+
+
+def test_restart_loop_quarantines_the_related_triton_folders_with_the_cache(tmp_path, sims):
+    """INCIDENTS §7, the sibling cache: the Triton key folders written by the same compile
+    are renamed with the broken torch cache, under the same stamp, nothing deleted."""
+    cache = tmp_path / "torch_compile_cache"
+    subprocess.run([sys.executable, "-m", "gpuguard.sim.engines", "--kind", "llamacpp", "--port", "1",
+                    "--cache-dir", str(cache), "--write-zero-byte-cache", "3"], env=sim_env(), check=True)
+    triton = tmp_path / "triton" / "cache"
+    for key in ("3f2a9c", "b71e04"):  # Triton's per-kernel key folders
+        (triton / key).mkdir(parents=True)
+        (triton / key / "kernel.hsaco").write_bytes(b"\x7fELF" + b"\0" * 60)
+        (triton / key / "__grp__kernel.json").write_text("{}")
+    absent = tmp_path / "never-written"
+    triton_before = _tree(triton)
+    pidf = tmp_path / "engine.pid"
+    sim = sims("llamacpp", "--cache-dir", str(cache), "--pid-file", str(pidf), "--crash-after", "0.5",
+               supervise=True, wait_ready=False)
+    cfg = engine_cfg("loopy", "llamacpp", sim.url, process={"pid_file": str(pidf)}, poll_interval=0.1,
+                     http_timeout=0.3, stall_after=5, cache_scan_interval=0.3,
+                     caches=[{"name": "torch_compile", "path": str(cache), "related": [str(triton), str(absent)]}],
+                     restart_loop={"count": 3, "window": 60, "quarantine": True})
+    audit, events = [], []
+    wd = EngineWatchdog([cfg], audit.append, events.append)
+    ok = asyncio.run(run_watchdog_until(wd, lambda: any(r["what"] == "quarantine" for r in audit), 30))
+    assert ok, f"audit={audit} events={[e.kind for e in events]}"
+    (broken,) = tmp_path.glob("torch_compile_cache.BROKEN-*")
+    (moved,) = (tmp_path / "triton").glob("cache.BROKEN-*")
+    stamp = broken.name.split(".BROKEN-")[1]
+    assert moved.name == f"cache.BROKEN-{stamp}" and stamp.endswith("-restart-loop-zero-byte")  # one set
+    assert not triton.exists() and _tree(moved) == triton_before  # renamed, every file kept
+    q = [r for r in audit if r["what"] == "quarantine"][0]
+    assert q["result"] == {"from": str(cache), "to": str(broken),
+                           "related": [{"from": str(triton), "to": str(moved)},
+                                       {"from": str(absent), "absent": "yes"}]}
+    ev = [e for e in events if e.kind == "cache_quarantined"][0]
+    assert f"with it {triton} -> {moved}" in ev.message

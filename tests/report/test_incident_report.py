@@ -38,7 +38,7 @@ def gpuguard(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def stalled_demo(tmp_path_factory):
-    """The demo until its SIGSTOPped engine was killed and the bundle is complete."""
+    """The demo until its SIGSTOPped engine was killed and the bundle is written."""
     from support import poll_until as wait_for
 
     d = tmp_path_factory.mktemp("demo")
@@ -71,8 +71,8 @@ def stalled_demo(tmp_path_factory):
         os.kill(pid, signal.SIGSTOP)  # frozen: nothing moves, /health stops answering
         stopped.append(pid)
         bundles = wait_for(lambda: [b for b in httpx.get(f"{base}/v1/incidents", timeout=5).json()
-                                    if b.get("complete") and b["engine"] == "vllm-demo"],
-                           timeout=90, what="a complete incident bundle", interval=0.5)
+                                    if "summary.json" in b["files"] and b["engine"] == "vllm-demo"],
+                           timeout=90, what="a finished incident bundle", interval=0.5)
         yield {"bundle": bundles[0], "pid": pid, "kernel_line": line, "base": base}
     finally:
         for pid in stopped:

@@ -1,7 +1,8 @@
 """Compile caches (INCIDENTS §7): count zero-byte files the way the owner's test does
 (`find CACHE -path '*BROKEN*' -prune -o -type f -size 0 ! -name '*.lock' -print`) and
-quarantine a broken cache by renaming it `<name>.BROKEN-<UTC date>-<reason>`. Nothing here
-ever deletes: the evidence is kept."""
+quarantine a broken cache by renaming it `<name>.BROKEN-<UTC date>-<reason>`, with the
+folders named `related:` (the Triton key folders of the same compile) as one set under the
+same stamp. Nothing here ever deletes: the evidence is kept."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 
 class CacheError(RuntimeError):
@@ -88,3 +90,40 @@ def quarantine(path: Path, reason: str, when: float | None = None) -> Path:
     except OSError as exc:
         raise CacheError(f"cannot rename {path} -> {target}: {exc.strerror}; rename it by hand") from None
     return target
+
+
+def quarantine_set(path: Path, related: Sequence[Path], reason: str,
+                   when: float | None = None) -> tuple[Path, list[dict[str, str]]]:
+    """Rename the cache and its related folders aside under one stamp, as one set: when a
+    rename fails, those done are renamed back and CacheError says what failed. A related
+    folder that does not exist is listed as absent (nothing of it to keep).
+    -> (the cache's new path, [{"from", "to"} or {"from", "absent": "yes"} per related folder])."""
+    when = time.time() if when is None else when
+    target = quarantine(path, reason, when)
+    done: list[tuple[Path, Path]] = [(Path(path), target)]
+    out: list[dict[str, str]] = []
+    for r in map(Path, related):
+        if not r.exists():
+            out.append({"from": str(r), "absent": "yes"})
+            continue
+        try:
+            moved = quarantine(r, reason, when)
+        except CacheError as exc:
+            undone = _undo(done)
+            raise CacheError(f"related folder of {path}: {exc}; " + (
+                "nothing was moved" if not undone else "also could not move back: " + "; ".join(undone)
+                + "; rename them by hand")) from None
+        done.append((r, moved))
+        out.append({"from": str(r), "to": str(moved)})
+    return target, out
+
+
+def _undo(done: list[tuple[Path, Path]]) -> list[str]:
+    """Rename back what a failed set moved; -> what could not be."""
+    failed = []
+    for original, moved in reversed(done):
+        try:
+            os.rename(moved, original)
+        except OSError as exc:
+            failed.append(f"{moved} -> {original}: {exc.strerror}")
+    return failed

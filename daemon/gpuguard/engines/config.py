@@ -94,6 +94,21 @@ class GenericMetrics(_Strict):
 class CacheFolder(_Strict):
     name: str
     path: Path
+    # INCIDENTS §7: the Triton key folders written at the same moment as a broken torch
+    # compile cache are as broken; they are quarantined with it, one renamed set.
+    related: list[Path] = Field(
+        [], description="folders quarantined together with this cache (same .BROKEN-<stamp>-<reason> "
+        "suffix, never deleted), e.g. the Triton cache written by the same compile")
+
+    @model_validator(mode="after")
+    def _related_apart(self) -> "CacheFolder":
+        for r in self.related:
+            if r == self.path or self.path in r.parents or r in self.path.parents:
+                raise ValueError(f"caches.{self.name}.related: {r} is {self.path} or nested with it; "
+                                 "name folders beside the cache (one inside it is moved with it already)")
+        if len(set(self.related)) != len(self.related):
+            raise ValueError(f"caches.{self.name}.related: a folder is named twice")
+        return self
 
 
 class RestartLoop(_Strict):

@@ -11,10 +11,14 @@ destroys it, under `state_dir/incidents/<engine>-<UTC time>/`:
 - `context.json`   the GPU's telemetry and the kernel lines of the same minutes;
 - `summary.json`   what was collected, sizes, and what was abandoned or truncated.
 
-The process snapshot is the only part taken before the watchdog acts, and it is bounded
-(FAST_TIMEOUT). Everything else runs in a background task, each collector with its own
-timeout: a collector that hangs is abandoned and the summary says so; the kill never waits
-for it. Bundles are bounded in size (files truncated, noted) and count (oldest pruned)."""
+The process snapshot is taken before the watchdog acts, bounded (FAST_TIMEOUT); when the
+action follows at once (dump_after = kill_after, the default, or a kill from the API or a
+kernel hang) so are the Python stacks (`py-spy dump --nonblocking`, in what is left of the
+same budget): py-spy run after the SIGTERM finds the process gone. Everything else runs in
+a background task, each collector with its own timeout: a collector that hangs is
+abandoned and the summary says so; the kill never waits for it. The summary is
+`complete` only when no part is missing, and names each missing part with its reason.
+Bundles are bounded in size (files truncated, noted) and count (oldest pruned)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +33,8 @@ from typing import Any, Awaitable, Callable, Iterable
 
 log = logging.getLogger("gpuguard.engines.incidents")
 
-FAST_TIMEOUT = 1.0  # seconds the process snapshot may take before the watchdog acts
+FAST_TIMEOUT = 1.0  # seconds the process snapshot (and stacks, before an action) may take
+STACKS_FLOOR = 0.5  # seconds the stacks before an action get even after a slow snapshot
 MAX_THREADS = 64  # per process, in processes.json
 
 
@@ -117,6 +122,11 @@ class Bundle:
     time: float
     notes: list[str] = field(default_factory=list)
     task: asyncio.Task | None = None
+    missing: list[str] = field(default_factory=list)  # parts not in the bundle, each also in notes
+
+    def lack(self, part: str, reason: str) -> None:
+        self.missing.append(part)
+        self.notes.append(f"{part} missing: {reason}")
 
 
 class IncidentStore:
@@ -152,9 +162,12 @@ class IncidentStore:
 
     # -- one bundle ----------------------------------------------------------------------
     async def begin(self, engine: str, when: float, decision: dict[str, Any], pids: list[int],
-                    samples: list[dict[str, Any]], gpus: list[str], window: float) -> Bundle:
+                    samples: list[dict[str, Any]], gpus: list[str], window: float,
+                    before_action: bool = False) -> Bundle:
         """Take the process snapshot now (bounded), then write the rest in the background.
-        Returns at once after the snapshot; the caller acts next."""
+        Returns after the snapshot (and, `before_action`, the Python stacks); the caller
+        acts next."""
+        started = time.monotonic()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(when)) + f".{int(when * 1000) % 1000:03d}Z"
         path = self.root / f"{engine}-{stamp}"
         bundle = Bundle(path, engine, when)
@@ -162,46 +175,81 @@ class IncidentStore:
             procs = await asyncio.wait_for(asyncio.to_thread(lambda: [snapshot_process(p) for p in pids]), FAST_TIMEOUT)
         except asyncio.TimeoutError:
             procs = [{"pid": p, "note": "not read"} for p in pids]
-            bundle.notes.append(f"process snapshot abandoned after {FAST_TIMEOUT:g} s (a process in D state?)")
+            bundle.lack("processes.json (the process states)",
+                        f"the process snapshot was abandoned after {FAST_TIMEOUT:g} s (a process in D state?)")
         collectors: list[Collector] = []
-        if self.pyspy:
-            for snap in procs:
-                if is_python(snap) and not snap.get("gone"):
-                    collectors.append(self._pyspy(snap["pid"], stopped=snap.get("state") in ("T", "t")))
-        elif any(is_python(s) for s in procs):
-            bundle.notes.append("py-spy not installed: no Python stacks (pip install py-spy; needs CAP_SYS_PTRACE)")
+        stacks: dict[str, Any] = {}
+        python = [s for s in procs if is_python(s) and not s.get("gone")]
+        if python and not self.pyspy:
+            for snap in python:
+                bundle.lack(f"py-spy-{snap['pid']}.txt (Python stacks)",
+                            "py-spy not installed (not found on PATH: pip install py-spy; needs CAP_SYS_PTRACE)")
+        elif python and before_action:
+            budget = max(STACKS_FLOOR, FAST_TIMEOUT - (time.monotonic() - started))
+            stacks = await self._stacks_now(bundle, [s["pid"] for s in python], budget)
+        elif python:
+            collectors += [self._pyspy(s["pid"], stopped=s.get("state") in ("T", "t")) for s in python]
         if self.context is not None:
             ctx = self.context
             collectors.append(Collector("context", lambda: _in_thread(lambda: {
                 "context.json": ctx(gpus, when - window, time.time())}), self.collector_timeout))
         collectors += [make(bundle) for make in self.extra_collectors]
         first = {"decision.json": decision, "processes.json": procs,
-                 "samples.jsonl": "".join(json.dumps(s, default=str) + "\n" for s in samples)}
+                 "samples.jsonl": "".join(json.dumps(s, default=str) + "\n" for s in samples), **stacks}
         task = asyncio.create_task(self._write(bundle, first, collectors), name=f"incident:{path.name}")
         bundle.task = task
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
         return bundle
 
+    async def _stacks_now(self, bundle: Bundle, pids: list[int], budget: float) -> dict[str, Any]:
+        """Every Python process's stacks at once, before the action: `--nonblocking` (the
+        process is not suspended, so it cannot be left stopped by a dump cut short), the
+        whole bounded by `budget`. -> {filename: text} of those taken."""
+        async def one(pid: int) -> tuple[int, str | None, str | None]:
+            try:
+                text, failed = await asyncio.wait_for(self._dump_stacks(pid, nonblocking=True), budget)
+            except asyncio.TimeoutError:
+                return pid, None, f"py-spy did not finish within the {budget:.2g} s allowed before the action"
+            return pid, text, failed
+
+        out: dict[str, Any] = {}
+        for pid, text, failed in await asyncio.gather(*(one(p) for p in pids)):
+            if text is not None:
+                out[f"py-spy-{pid}.txt"] = text
+            if failed:
+                bundle.lack(f"py-spy-{pid}.txt (Python stacks)", failed)
+        return out
+
+    async def _dump_stacks(self, pid: int, nonblocking: bool) -> tuple[str, str | None]:
+        """-> (py-spy's output, why it failed or None)."""
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self.pyspy, "dump", "--pid", str(pid), *(["--nonblocking"] if nonblocking else []),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        except OSError as exc:
+            return f"cannot run {self.pyspy}: {exc.strerror}\n", f"cannot run {self.pyspy}: {exc.strerror}"
+        try:
+            out, _ = await proc.communicate()
+        except asyncio.CancelledError:
+            proc.kill()
+            raise
+        text = out.decode(errors="replace")
+        if proc.returncode == 0:
+            return text, None
+        why = pyspy_failure(pid, text)
+        return f"py-spy exited {proc.returncode} ({why}):\n{text}", f"py-spy exited {proc.returncode}: {why}"
+
     def _pyspy(self, pid: int, stopped: bool = False) -> Collector:
         # A frozen engine (SIGSTOP, state T) cannot be suspended by py-spy ("Failed to
         # suspend process"); it is not running, so reading it without suspending is exact.
-        args = ["dump", "--pid", str(pid)] + (["--nonblocking"] if stopped else [])
-
         async def run() -> dict[str, Any]:
-            proc = await asyncio.create_subprocess_exec(self.pyspy, *args, stdout=asyncio.subprocess.PIPE,
-                                                        stderr=asyncio.subprocess.STDOUT)
-            try:
-                out, _ = await proc.communicate()
-            except asyncio.CancelledError:
-                proc.kill()
-                raise
-            text = out.decode(errors="replace")
-            if proc.returncode != 0:
-                text = f"py-spy exited {proc.returncode} (ptrace needs CAP_SYS_PTRACE):\n{text}"
+            text, failed = await self._dump_stacks(pid, nonblocking=stopped)
+            if failed:
+                raise _Missing(failed, {f"py-spy-{pid}.txt": text})
             return {f"py-spy-{pid}.txt": text}
 
-        return Collector(f"py-spy {pid}", run, self.collector_timeout)
+        return Collector(f"py-spy-{pid}.txt (Python stacks)", run, self.collector_timeout)
 
     async def _write(self, bundle: Bundle, first: dict[str, Any], collectors: list[Collector]) -> None:
         budget = [self.max_bytes]
@@ -213,13 +261,22 @@ class IncidentStore:
                     files = await asyncio.wait_for(c.run(), c.timeout)
                 except asyncio.TimeoutError:
                     bundle.notes.append(f"{c.name}: abandoned after {c.timeout:g} s")
+                    bundle.missing.append(c.name)
                     continue
+                except _Missing as exc:  # what it wrote says why; the part is still missing
+                    bundle.lack(c.name, exc.why)
+                    files = exc.files
                 except Exception as exc:  # noqa: BLE001 - one collector's failure is a note
                     bundle.notes.append(f"{c.name}: failed: {type(exc).__name__}: {exc}")
+                    bundle.missing.append(c.name)
                     continue
                 await asyncio.to_thread(self._put_all, bundle, files, budget)
+        except asyncio.CancelledError:
+            bundle.lack("the rest of the bundle", "its writer was stopped (the daemon shutting down)")
+            raise
         finally:
-            summary = {"engine": bundle.engine, "time": bundle.time, "complete": True, "notes": bundle.notes,
+            summary = {"engine": bundle.engine, "time": bundle.time, "complete": not bundle.missing,
+                       "missing": bundle.missing, "notes": bundle.notes,
                        "reason": first.get("decision.json", {}).get("reason"),
                        "action": first.get("decision.json", {}).get("action")}
             try:
@@ -239,6 +296,7 @@ class IncidentStore:
             data = text.encode()
             if len(data) > budget[0]:
                 bundle.notes.append(f"{name}: truncated to {max(budget[0], 0)} of {len(data)} bytes (max_bytes)")
+                bundle.missing.append(f"{name} (truncated)")
                 data = data[: max(budget[0], 0)]
             budget[0] -= len(data)
             self._put(bundle.path / name, data)
@@ -254,6 +312,27 @@ class IncidentStore:
             done, pending = await asyncio.wait(set(self.pending), timeout=timeout)
             for t in pending:
                 t.cancel()
+
+
+class _Missing(Exception):
+    """A collector that ran but did not get its part: `files` (what it has to say) are kept."""
+
+    def __init__(self, why: str, files: dict[str, Any]) -> None:
+        super().__init__(why)
+        self.why, self.files = why, files
+
+
+def pyspy_failure(pid: int, output: str) -> str:
+    """The real reason py-spy could not dump `pid`, from its output and the process."""
+    low = output.lower()
+    if not os.path.exists(f"/proc/{pid}"):
+        return "the process had exited"
+    if "permission denied" in low or "operation not permitted" in low:
+        return "ptrace refused: it needs CAP_SYS_PTRACE (and kernel.yama.ptrace_scope allowing it)"
+    if "failed to find python version" in low or "python binary" in low or "python interpreter" in low:
+        return "not a Python process py-spy can read"
+    first = next((line.strip() for line in output.splitlines() if line.strip().startswith("Error")), None)
+    return first or (output.strip().splitlines() or ["no output"])[0][:200]
 
 
 def _age(d: Path) -> tuple[str, str]:

@@ -14,6 +14,9 @@ Rules (ENGINES.md "How to detect a stall from outside", INCIDENTS §1, §8, §9)
   meanwhile (state `unhealthy`).
 - While starting (a new PID whose health is not ready yet) all of that is off; time to
   ready is measured from the new PID's start time (§8).
+- Time the watchdog did not observe (`unobserved`: its own pause, a host suspend;
+  engines/lapses.py) is no engine's lack of progress: every clock above restarts at the
+  first observation after it.
 
 Progress is any of: the step counter, live generated tokens, prompt tokens (§9: a
 long prefill starving decode is work, never a stall). One step may carry a whole prompt
@@ -79,6 +82,7 @@ class Observation:
     cpu_seconds: float | None = None  # GPU-owning process, utime+stime
     process_state: str | None = None  # GPU-owning process, /proc/PID/stat state letter
     batch_tokens: int | None = None  # largest prompt batch one step may carry
+    unobserved: float = 0.0  # seconds just before this observation that nobody watched
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,18 @@ class StallTracker:
         self._gap_now = 0.0
         self._gap_from: float | None = None  # the last poll that saw decode progress, while a gap is open
         self._cpu_moved: bool | None = None
+        self._start_unobserved = 0.0  # unobserved seconds since the PID started, while starting
+
+    def _restart_clocks(self, t: float) -> None:
+        """After time nobody watched: every 'flat since' / 'bad since' starts again at t
+        (what happened meanwhile is unknown, so it counts neither way)."""
+        for name in ("_progress_at", "_idle_at", "_running_since", "_health_bad_since", "_metrics_bad_since",
+                     "_dec_changed", "_no_decode_work_at"):
+            if getattr(self, name) is not None:
+                setattr(self, name, t)
+        self._gap_now = 0.0
+        self._cpu_prev = None  # CPU use is measured afresh from here
+        self._cpu_pinned_since = None
 
     def mark_starting(self) -> None:
         """After gpuguard restarted the engine: until a NEW PID says ready, it is starting.
@@ -162,6 +178,11 @@ class StallTracker:
             self._witnessed_start = new_pid or (o.health != "ready")
             if stale is not None and stale != o.pid:
                 new_pid = True
+        if o.unobserved and self._phase == "starting":
+            lived = o.time - self._pid_start if self._pid_start is not None else o.unobserved
+            self._start_unobserved += max(0.0, min(o.unobserved, lived))
+        elif o.unobserved and not new_pid:
+            self._restart_clocks(o.time)
         if self._phase == "starting":
             if self._stale_pid is not None and o.pid == self._stale_pid:
                 return self._verdict(o, "starting", None, new_pid=new_pid)
@@ -174,7 +195,8 @@ class StallTracker:
                 v = self._running(o, new_pid, became_ready=True)
                 return v
             self._witnessed_start = True
-            if self._pid_start is not None and o.time - self._pid_start >= self.s.ready_timeout:
+            if (self._pid_start is not None
+                    and o.time - self._pid_start - self._start_unobserved >= self.s.ready_timeout):
                 return self._verdict(o, "unhealthy", "ready_timeout", new_pid=new_pid)
             return self._verdict(o, "starting", None, new_pid=new_pid)
         return self._running(o, new_pid, became_ready=False)
@@ -367,6 +389,8 @@ class StallTracker:
         }
         if extra:
             ev.update(extra)
+        if o.unobserved:
+            ev["unobserved_seconds"] = round(o.unobserved, 3)
         return Verdict(
             state=state, stalled=state == "stalled", reason=reason,
             no_progress_seconds=no_progress, decode_gap_seconds=decode_gap,

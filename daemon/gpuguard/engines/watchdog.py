@@ -15,10 +15,11 @@ from typing import Any, Callable, Sequence
 from gpuguard.engines.actions import CommandResult, KillResult, kill_engine, restart_argv, run_command
 from gpuguard.engines.adapters import Adapter
 from gpuguard.engines.attribution import GpuAttribution, GpuProcess
-from gpuguard.engines.caches import CacheError, CacheScan, quarantine, scan_zero_byte
+from gpuguard.engines.caches import CacheError, CacheScan, quarantine_set, scan_zero_byte
 from gpuguard.engines.config import EngineConfig
 from gpuguard.engines.exposure import Exposure, ExposureWatch
 from gpuguard.engines.incidents import IncidentStore
+from gpuguard.engines.lapses import Lapses
 from gpuguard.engines.probe import EngineProbe, ProbeResult
 from gpuguard.engines.process import EngineProcesses, ProcessLookupFailed, resolve
 from gpuguard.engines.restarts import RestartLedger
@@ -51,6 +52,7 @@ class _Engine:
     gpu_holders: tuple[GpuProcess, ...] = ()  # its processes' holds on GPUs, last scan
     held_by: dict[int, GpuProcess] = field(default_factory=dict)  # pid -> hold, seen while it ran
     vram_alerted: bool = False
+    unobserved_seen: float | None = None  # Lapses.total at its previous observation
     # the graded response and its evidence
     episode_at: float | None = None  # when the current stall/unhealthy episode was declared
     dumped: bool = False
@@ -83,8 +85,10 @@ class EngineWatchdog:
     def __init__(self, configs: Sequence[EngineConfig], audit: Callable[[EngineAction], None],
                  publish: Callable[[Event], None], *, clock: Callable[[], float] = time.time,
                  attribution: GpuAttribution | None = None, incidents: IncidentStore | None = None,
-                 gpu_telemetry: Callable[[Sequence[str]], dict[str, dict]] | None = None) -> None:
+                 gpu_telemetry: Callable[[Sequence[str]], dict[str, dict]] | None = None,
+                 lapses: Lapses | None = None) -> None:
         self.attribution = attribution
+        self.lapses = lapses or Lapses()  # time this watchdog did not run: never an engine's stall
         self.incidents = incidents
         self.gpu_telemetry = gpu_telemetry  # GPU name -> {"busy_ratio", "power_watts"}, now
         self._gpu_procs: list[GpuProcess] = []
@@ -237,13 +241,14 @@ class EngineWatchdog:
         cfg, cache = self.cache_owners()[cache_name]
         e = self._engines[cfg.name]
         scan = await asyncio.to_thread(scan_zero_byte, cache.path)
-        target = await asyncio.to_thread(quarantine, cache.path, "api")
+        target, related = await asyncio.to_thread(quarantine_set, cache.path, cache.related, "api")
         self._actions[(cfg.name, "quarantine", "api")] += 1
+        moved = {"from": str(cache.path), "to": str(target), **({"related": related} if related else {})}
         self._audit(e, "quarantine", "api", who,
                     {"cache": cache_name, "zero_byte_files": scan.zero_byte_files, "files": scan.files},
-                    {"from": str(cache.path), "to": str(target)}, self._clock(),
-                    "ok", f"renamed {cache.path} -> {target}")
-        return {"from": str(cache.path), "to": str(target), "zero_byte_files": scan.zero_byte_files}
+                    moved, self._clock(), "ok", f"renamed {cache.path} -> {target}"
+                    + "".join(f", {r['from']} -> {r['to']}" for r in related if "to" in r))
+        return {**moved, "zero_byte_files": scan.zero_byte_files}
 
     # -- GPU attribution -----------------------------------------------------------------
     async def attribute_once(self) -> list[GpuProcess]:
@@ -294,6 +299,7 @@ class EngineWatchdog:
                        for e in self._engines.values()}
         if self.attribution is not None:
             self._tasks[" attribution"] = asyncio.create_task(self._attribution_loop(), name="engines:attribution")
+        self._tasks[" lapses"] = asyncio.create_task(self.lapses.run(), name="engines:lapses")
         try:
             # asyncio.wait, not gather: cancelling run() must not wait for the loops first.
             # Re-read each turn: a reload adds and removes loops.
@@ -372,6 +378,7 @@ class EngineWatchdog:
         # The observation's time is when its answers were in (or given up on): a probe that
         # waited out its timeout tells nothing about the moments before it gave up.
         now = self._clock() if now is None else now
+        unobserved = self._unobserved(e)
         if procs is None and probe.health == "ready" and error is None:
             m = cfg.process
             how = (f"systemd unit {m.systemd_unit}" if m.systemd_unit else
@@ -383,8 +390,10 @@ class EngineWatchdog:
             metrics_error=probe.metrics_error if procs else None,
             cpu_seconds=procs.gpu_stat.cpu_seconds if procs else None,
             process_state=procs.gpu_stat.state if procs else None,
-            batch_tokens=procs.batch_tokens if procs else None)
+            batch_tokens=procs.batch_tokens if procs else None, unobserved=unobserved)
         async with e.lock:
+            if unobserved:
+                self._watch_gap(e, unobserved)
             v = e.tracker.observe(obs)
             e.polls += 1
             prev = e.snapshot
@@ -402,14 +411,44 @@ class EngineWatchdog:
                 self._event(e, "engine_exposed", "warning", f"engine {cfg.name} {x.sentence()}",
                             address=x.listener.endpoint, detail=x.detail)
 
+    def _unobserved(self, e: _Engine) -> float:
+        """Seconds of unobserved time (engines/lapses.py) since this engine's previous
+        observation, the one this observation may have spanned included."""
+        self.lapses.note()
+        seen, e.unobserved_seen = e.unobserved_seen, self.lapses.total
+        return 0.0 if seen is None else self.lapses.total - seen
+
+    def _watch_gap(self, e: _Engine, seconds: float) -> None:
+        """Nobody watched this engine for `seconds`: its stall clock restarts at this poll
+        (engines/stall.py); a stall declared before is judged afresh, and a pause in
+        progress cannot be measured across the gap."""
+        was = e.episode
+        e.episode = e.episode_at = None
+        e.pause = None
+        last = self.lapses.last or {}
+        how = ("the host was suspended" if last.get("suspended", 0) >= last.get("late", 0) else
+               "the daemon did not run (stopped, a paused VM, or its loop held up)")
+        self._event(e, "engine_watch_gap", "warning",
+                    f"engine {e.cfg.name}: not observed for {seconds:.1f} s ({how}); that time is not counted as "
+                    "lack of progress: its stall clock restarts now"
+                    + (f" (the {was} stall declared before is judged afresh)" if was else ""),
+                    unobserved_seconds=round(seconds, 3), lapse=dict(last), episode_dropped=was)
+
     def _remember(self, e: _Engine, v: Verdict, probe: ProbeResult, now: float) -> None:
         """The readings an incident bundle carries, and pause bookkeeping: a
         no-progress period that ends with progress (not a kill, not a restart) is a pause."""
+        gpu_now: dict = {}
+        if self.gpu_telemetry is not None and self._gpu_names(e):
+            try:
+                gpu_now = dict(self.gpu_telemetry(self._gpu_names(e)) or {})
+            except Exception:  # noqa: BLE001 - telemetry is optional here
+                gpu_now = {}
         e.samples.append({"t": now, "state": v.state, "health": probe.health, "health_detail": probe.health_detail,
                           "metrics_error": probe.metrics_error,
                           "reading": asdict(probe.reading) if probe.reading is not None else None,
                           "no_progress_seconds": round(v.no_progress_seconds, 3),
-                          "tokens_per_second": v.tokens_per_second, "reason": v.reason})
+                          "tokens_per_second": v.tokens_per_second, "reason": v.reason,
+                          **({"gpu": gpu_now} if gpu_now else {})})
         while e.samples and e.samples[0]["t"] < now - SAMPLE_WINDOW:
             e.samples.popleft()
         if probe.metrics_text is not None:
@@ -425,12 +464,8 @@ class EngineWatchdog:
                            "waiting": r.waiting if r else None, "gpu": {}, "worst_state": v.state}
             if v.state in ("stalled", "unhealthy"):
                 e.pause["worst_state"] = v.state
-            if self.gpu_telemetry is not None:
-                try:
-                    for gpu, t in (self.gpu_telemetry(self._gpu_names(e)) or {}).items():
-                        e.pause["gpu"].setdefault(gpu, []).append(t)
-                except Exception:  # noqa: BLE001 - telemetry is optional here
-                    pass
+            for gpu, t in gpu_now.items():
+                e.pause["gpu"].setdefault(gpu, []).append(t)
         elif v.no_progress_seconds == 0 and e.pause is not None and v.state in ("busy", "idle"):
             p, e.pause = e.pause, None
             seconds = now - p["start"]
@@ -543,14 +578,17 @@ class EngineWatchdog:
         since = now - (e.episode_at or now)
         jitter = 0.1 * cfg.poll_interval
         evidence = dict(e.snapshot.evidence) if e.snapshot else dict(v.evidence)
-        if not e.dumped and since >= cfg.effective_dump_after - cfg.stall_after - jitter and procs is not None:
-            await self._dump(e, procs, v.reason or "stalled", evidence, now)
-        if e.acted or since < cfg.effective_kill_after - cfg.stall_after - jitter:
-            return
-        e.acted = True
+        due = not e.acted and since >= cfg.effective_kill_after - cfg.stall_after - jitter
         action = cfg.action
         if v.state == "unhealthy" and not cfg.act_on_unhealthy:
             action = "alert"
+        if not e.dumped and since >= cfg.effective_dump_after - cfg.stall_after - jitter and procs is not None:
+            # the action in this same poll would leave the stacks nothing to read
+            evidence = await self._dump(e, procs, v.reason or "stalled", evidence, now,
+                                        before_action=due and action != "alert")
+        if not due:
+            return
+        e.acted = True
         if action == "alert" or procs is None:
             e.last_action = f"alert ({v.reason})"
             return
@@ -559,13 +597,19 @@ class EngineWatchdog:
         else:
             await self._restart(e, procs, v.reason or "stalled", evidence, now)
 
-    async def _dump(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float) -> None:
-        """Take the incident bundle: the process snapshot now (bounded), the rest in the
-        background (incidents.py); never more than one per episode."""
+    async def _dump(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float,
+                    before_action: bool = False) -> dict:
+        """Take the incident bundle: the process snapshot now (bounded; before an action
+        the Python stacks too), the rest in the background (incidents.py); never more
+        than one per episode. -> the evidence, with the GPU's side of the stall in words
+        where known (`gpu_during_stall`)."""
         e.dumped = True
         if self.incidents is None:
-            return
+            return evidence
         cfg = e.cfg
+        hang = self._hang_evidence(e, evidence, now)
+        if hang:
+            evidence = {**evidence, "gpu_during_stall": hang}
         decision = {"engine": cfg.name, "kind": cfg.kind, "reason": reason, "time": now, "action": cfg.action,
                     "episode_declared_at": e.episode_at, "evidence": evidence,
                     "graded": {"stall_after": cfg.stall_after, "dump_after": cfg.effective_dump_after,
@@ -574,20 +618,55 @@ class EngineWatchdog:
         samples = list(e.samples) + [{"raw_metrics": r} for r in e.raw]
         try:
             bundle = await self.incidents.begin(cfg.name, now, decision, list(procs.pids), samples,
-                                                list(self._gpu_names(e)), SAMPLE_WINDOW)
+                                                list(self._gpu_names(e)), SAMPLE_WINDOW, before_action=before_action)
         except Exception:  # noqa: BLE001 - evidence is best effort; the action must go on
             log.exception("engine %s: incident bundle failed", cfg.name)
-            return
+            return evidence
         e.last_incident = bundle.path.name
-        self._event(e, "engine_incident", "info", f"engine {cfg.name}: incident bundle {bundle.path}",
-                    path=str(bundle.path), notes=list(bundle.notes))
+        self._event(e, "engine_incident", "info", f"engine {cfg.name}: incident bundle {bundle.path}"
+                    + (f"; {hang}" if hang else ""), path=str(bundle.path), notes=list(bundle.notes))
+        return evidence
+
+    @staticmethod
+    def _hang_evidence(e: _Engine, evidence: dict, now: float) -> str | None:
+        """The GPU's side of the no-progress period (from the poll before it on), in words,
+        where telemetry was read: busy at 100 % while its power fell and no token came is a
+        hang on the GPU (INCIDENTS §1), not a slow step. None without a no-progress period
+        (a kernel hook's or the API's kill of a progressing engine) or telemetry."""
+        flat = evidence.get("no_progress_seconds") or evidence.get("progress_flat_seconds")
+        if not isinstance(flat, (int, float)) or flat <= 0:
+            return None
+        since = now - flat - 1.01 * e.cfg.poll_interval
+        per_gpu: dict[str, list[dict]] = {}
+        for sample in e.samples:
+            if sample["t"] >= since:
+                for gpu, t in (sample.get("gpu") or {}).items():
+                    per_gpu.setdefault(gpu, []).append(t)
+        parts = []
+        for gpu, ts in per_gpu.items():
+            busy = [t["busy_ratio"] for t in ts if t.get("busy_ratio") is not None]
+            power = [t["power_watts"] for t in ts if t.get("power_watts") is not None]
+            if not busy and not power:
+                continue
+            words = f"GPU {gpu}"
+            if busy:
+                words += (f" busy {min(busy) * 100:.0f} %" if min(busy) == max(busy) else
+                          f" busy {min(busy) * 100:.0f}–{max(busy) * 100:.0f} %")
+            if len(power) >= 2 and power[-1] < 0.9 * power[0]:
+                words += f" while its power fell {power[0]:.0f} → {power[-1]:.0f} W"
+            elif power:
+                words += f" at {power[-1]:.0f} W"
+            parts.append(words)
+        if not parts:
+            return None
+        return "; ".join(parts) + f"; no token came for {flat:.1f} s"
 
     # -- actions -------------------------------------------------------------------------
     async def _kill(self, e: _Engine, procs: EngineProcesses, reason: str, evidence: dict, now: float,
                     who: str = "policy") -> KillResult:
         cfg = e.cfg
         if not e.dumped or e.episode is None:  # per kill: API and kernel kills too
-            await self._dump(e, procs, reason, evidence, now)
+            evidence = await self._dump(e, procs, reason, evidence, now, before_action=True)
         result = await kill_engine(procs.pids, cfg.grace, cgroup=procs.cgroup)
         self._actions[(cfg.name, "kill", reason)] += 1
         e.last_action = f"kill ({reason})"
@@ -735,10 +814,11 @@ class EngineWatchdog:
                     caches={n: {"path": str(s.path), "zero_byte_files": s.zero_byte_files} for n, s in scans.items()})
         if not loop.quarantine:
             return
+        related_of = {c.name: c.related for c in cfg.caches}
         for name, scan in broken.items():
             reason = "restart-loop-zero-byte"
             try:
-                target = await asyncio.to_thread(quarantine, scan.path, reason)
+                target, related = await asyncio.to_thread(quarantine_set, scan.path, related_of.get(name, ()), reason)
             except CacheError as exc:
                 self._event(e, "cache_quarantine_failed", "alert", f"cache {name}: {exc}", cache=name)
                 continue
@@ -747,10 +827,14 @@ class EngineWatchdog:
             self._audit(e, "quarantine", reason, "policy",
                         {"cache": name, "zero_byte_files": scan.zero_byte_files, "files": scan.files,
                          "examples": list(scan.examples), "restarts": loop.count, "window_seconds": loop.window},
-                        {"from": str(scan.path), "to": str(target)}, now, "ok", f"renamed {scan.path} -> {target}")
+                        {"from": str(scan.path), "to": str(target), **({"related": related} if related else {})}, now,
+                        "ok", f"renamed {scan.path} -> {target}"
+                        + "".join(f", {r['from']} -> {r['to']}" for r in related if "to" in r))
+            also = [f"{r['from']} -> {r['to']}" for r in related if "to" in r]
             self._event(e, "cache_quarantined", "alert",
-                        f"cache {name} quarantined: {scan.path} -> {target} ({scan.zero_byte_files} zero-byte files)",
-                        cache=name, path=str(target))
+                        f"cache {name} quarantined: {scan.path} -> {target} ({scan.zero_byte_files} zero-byte files)"
+                        + (f"; with it {', '.join(also)}" if also else ""),
+                        cache=name, path=str(target), related=related)
         await self._scan_caches(e, now)
 
     # -- sinks ---------------------------------------------------------------------------
