@@ -142,6 +142,23 @@ power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, c
         assert c.execute("SELECT count(*) FROM events WHERE kind = 'power_headroom_low'").fetchone()[0] == 1
 
 
+def two_r9700(tmp_path, mount, port: int, interval: float, power: str):
+    """The two R9700 of the simulated host, at `interval`, with `power` added to the sampler's settings."""
+    cfg = tmp_path / "gpuguard.yaml"
+    cfg.write_text(f"""
+sysfs_root: {mount}
+state_dir: {tmp_path / 'state'}
+listen: {{address: 127.0.0.1, port: {port}}}
+kernel: {{enabled: false}}
+poll: {{interval_seconds: {interval}}}
+gpus:
+  - {{name: r9700-a, match: {{bdf: "0000:05:00.0"}}}}
+  - {{name: r9700-b, match: {{bdf: "0000:08:00.0"}}}}
+power: {{sample_hz: 20, {power}, cpu_budget_ratio: 0.5}}
+""")
+    return cfg
+
+
 def test_an_idle_host_rests_the_sampler_and_load_brings_the_full_rate_back(sim, tmp_path):
     """Both cards idle (a few watts against a 300 W cap): after `rest_after_seconds` the
     sampler reads once a second (issue 15: an idle host pays one wakeup a second for it,
@@ -149,18 +166,7 @@ def test_an_idle_host_rests_the_sampler_and_load_brings_the_full_rate_back(sim, 
     and its windows fill with fast samples again."""
     mount, ctl = sim
     port = free_port()
-    cfg = tmp_path / "gpuguard.yaml"
-    cfg.write_text(f"""
-sysfs_root: {mount}
-state_dir: {tmp_path / 'state'}
-listen: {{address: 127.0.0.1, port: {port}}}
-kernel: {{enabled: false}}
-poll: {{interval_seconds: 1.0}}
-gpus:
-  - {{name: r9700-a, match: {{bdf: "0000:05:00.0"}}}}
-  - {{name: r9700-b, match: {{bdf: "0000:08:00.0"}}}}
-power: {{sample_hz: 20, rest_after_seconds: 1, cpu_budget_ratio: 0.5}}
-""")
+    cfg = two_r9700(tmp_path, mount, port, interval=1.0, power="rest_after_seconds: 1")
     log = open(tmp_path / "daemon.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "gpuguard", "run", "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -196,18 +202,7 @@ def test_the_psu_alert_clears_after_its_seconds_at_a_half_second_poll(sim, tmp_p
     for bdf in R9700.values():
         ctl("set_load", bdf=bdf, level=1.0)
     port = free_port()
-    cfg = tmp_path / "gpuguard.yaml"
-    cfg.write_text(f"""
-sysfs_root: {mount}
-state_dir: {tmp_path / 'state'}
-listen: {{address: 127.0.0.1, port: {port}}}
-kernel: {{enabled: false}}
-poll: {{interval_seconds: 0.5}}
-gpus:
-  - {{name: r9700-a, match: {{bdf: "0000:05:00.0"}}}}
-  - {{name: r9700-b, match: {{bdf: "0000:08:00.0"}}}}
-power: {{sample_hz: 20, psu_watts: 1300, other_watts: 450, margin_ratio: 0.25, cpu_budget_ratio: 0.5}}
-""")
+    cfg = two_r9700(tmp_path, mount, port, interval=0.5, power="psu_watts: 1300, other_watts: 450, margin_ratio: 0.25")
     log = open(tmp_path / "daemon.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "gpuguard", "run", "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT)
