@@ -4,8 +4,20 @@
 # hog). Stops at the first failing run. One line per run goes to the log.
 #
 #   bench/soak.sh [RUNS] [LOG]        # default 5 runs, bench/results/soak-<date>.txt
+#
+# `memory` instead: one daemon on a quiet simulated host for MINUTES (default 60), niced,
+# scraped and read as Prometheus and a dashboard would; its RSS every 10 s, then the slope
+# after warm-up and the verdict, flat or GROWING (exit 1). bench/memory_soak.py says how.
+#
+#   bench/soak.sh memory [MINUTES] [LOG]   # default bench/results/soak-memory-<date>.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "memory" ]; then
+  LOG="${3:-bench/results/soak-memory-$(date -u +%Y%m%dT%H%M%SZ).txt}"
+  mkdir -p "$(dirname "$LOG")"
+  export PYTHONPATH="$PWD/daemon${PYTHONPATH:+:$PYTHONPATH}"
+  exec nice -n 10 python3 bench/memory_soak.py --minutes "${2:-60}" --log "$LOG"
+fi
 RUNS="${1:-5}"
 LOG="${2:-bench/results/soak-$(date -u +%Y%m%dT%H%M%SZ).txt}"
 mkdir -p "$(dirname "$LOG")"

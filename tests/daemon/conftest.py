@@ -24,21 +24,26 @@ def free_port() -> int:
 
 
 class SimProcess:
-    def __init__(self, tmp: Path, scenario: str = "incident") -> None:
-        from gpuguard.sim.fuse import fuse_available
-
+    def __init__(self, tmp: Path, scenario: str = "incident", kmsg: bool = False) -> None:
+        try:
+            from gpuguard.sim.fuse import fuse_available
+        except (ImportError, OSError) as e:  # no mfusepy, or no libfuse (FUSE_LIBRARY_NAME=none)
+            pytest.skip(f"FUSE not usable here ({e}); CI runs this as root with fuse3 installed")
         reason = fuse_available()
         if reason:
             pytest.skip(f"FUSE not usable here ({reason}); CI runs this as root with fuse3 installed")
         self.mount = tmp / "root"
         self.sock = str(tmp / "sim.sock")
+        # kmsg: the simulated kernel log as kernel records through a FIFO (sim/kmsg_pipe.py),
+        # the daemon's kernel.kmsg_path: never the machine's own /dev/kmsg
+        self.kmsg = tmp / "kmsg.fifo" if kmsg else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpuguard.sim.fuse", str(self.mount), "--scenario", scenario,
-             "--step-interval", "0", "--control", self.sock],
+             "--step-interval", "0", "--control", self.sock, *(["--kmsg", str(self.kmsg)] if kmsg else [])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        wait_for(lambda: (self.mount / "sys/bus/pci/devices").is_dir() and os.path.exists(self.sock),
-                 what="the FUSE sim to mount")
+        wait_for(lambda: (self.mount / "sys/bus/pci/devices").is_dir() and os.path.exists(self.sock)
+                 and (self.kmsg is None or self.kmsg.exists()), what="the FUSE sim to mount")
 
     def ctl(self, op: str, **args):
         return send(self.sock, op, **args)
@@ -99,6 +104,14 @@ class DaemonProcess:
 @pytest.fixture
 def sim(tmp_path):
     s = SimProcess(tmp_path)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def sim_kmsg(tmp_path):
+    """The incident host whose kernel log reaches the daemon (kernel.kmsg_path: sim.kmsg)."""
+    s = SimProcess(tmp_path, kmsg=True)
     yield s
     s.stop()
 

@@ -210,3 +210,43 @@ def test_cycles_after_the_first_start_on_multiples_of_the_interval():
     assert phases[len(phases) // 2] < 0.03, phases
     gaps = [b - a for a, b in zip(starts[1:], starts[2:])]
     assert all(0.1 < g < 0.3 for g in gaps), gaps
+
+
+def test_a_hwmon_folder_that_vanishes_and_returns_under_its_name_is_read_again(tmp_path):
+    """`mv hwmon5` away and back on a plain tree: the discovery made while it was gone found
+    no hwmon, and nothing looked again, so power and fan stayed absent with `errors` {} and
+    the error counter frozen. Gone, it is an error every cycle; back, it is read again."""
+    write_tree(build_scenario("incident"), str(tmp_path))
+    hub = Hub()
+    poller = GpuPoller(hub, [AmdgpuSource(SysfsRoot(str(tmp_path)))], discover_every=5.0)
+    xtx0 = "0000:aa:00.0"
+    (hwmon,) = (tmp_path / f"sys/bus/pci/devices/{xtx0}/hwmon").iterdir()
+    away = tmp_path / "away"
+
+    async def cycle() -> GpuSnapshot:
+        return by_bdf(await poller.poll_once())[xtx0]
+
+    def errors() -> float:
+        return sum(n for (gpu, _), n in hub.counters.poll_errors.items() if gpu == hub.gpus.name(xtx0))
+
+    try:
+        g = run(cycle())
+        assert g.power_watts is not None and g.fan_rpm is not None and g.errors == {}
+        hwmon.rename(away)
+        counted = []
+        for _ in range(4):  # the read that fails, the discovery that finds no hwmon, and on
+            g = run(cycle())
+            counted.append(errors())
+            assert g.up and g.power_watts is None and g.fan_rpm is None
+            assert hwmon.name in g.errors.get("hwmon", "") or any(hwmon.name in e for e in g.errors.values()), g.errors
+        assert counted == sorted(set(counted)), counted  # counted every cycle, never frozen
+        away.rename(hwmon)
+        g = None
+        for _ in range(3):  # a look at the returned folder, then its reads
+            g = run(cycle())
+            if g.power_watts is not None:
+                break
+        assert g.power_watts is not None and g.fan_rpm is not None and g.errors == {}, g.errors
+        assert any(d.hwmon_path and d.hwmon_path.endswith("/" + hwmon.name) for _, d in poller.devices.values())
+    finally:
+        poller.close()

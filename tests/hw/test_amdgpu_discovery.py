@@ -176,6 +176,18 @@ def test_garbage_in_one_file_drops_only_that_value(host):
     assert list(s.errors) == ["temperature_junction"]
 
 
+def test_a_100_kb_number_drops_only_that_value_with_the_file_named(host):
+    a = host.add_gpu(XTX, "0000:03:00.0", hwmon=3)
+    (a / "hwmon/hwmon3/freq1_input").write_bytes(b"7" * 100_000 + b"\n")
+    root = SysfsRoot(host.root)
+    s = read_gpu(root, discover(root)[0], "g")
+    assert s.up and "sclk" not in s.clocks_hz
+    err = s.errors["clock_sclk"]
+    # Python's own "Exceeds the limit (4300 digits)" named no file
+    assert "/hwmon/hwmon3/freq1_input" in err and " digits: longer than" in err, err
+    assert list(s.errors) == ["clock_sclk"] and s.power_watts == 68.0
+
+
 def test_read_error_is_an_error_not_a_zero(host):
     a = host.add_gpu(XTX, "0000:03:00.0", hwmon=3)
     root = SysfsRoot(host.root)

@@ -358,3 +358,24 @@ def test_damaged_small_files_fail_only_with_a_format_error(amdgpu_ref, entry, cu
         parser_for(attribute(entry))(data, entry["file"])
     except AmdgpuFormatError as e:
         assert str(e).startswith(entry["file"])
+
+
+# A number longer than any a kernel prints (a 64-bit value is 20 digits): Python's int()
+# refused it past 4300 digits with a message naming no file, and below that a float of it
+# overflowed (OverflowError, not a format error).
+@pytest.mark.parametrize("digits", [30, 400, 100_000])
+@pytest.mark.parametrize("parse", [f.parse_hertz, f.parse_int, f.parse_microwatts, f.parse_millicelsius,
+                                   f.parse_millivolts, f.parse_rpm, f.parse_bytes], ids=lambda p: p.__name__)
+def test_a_number_longer_than_a_kernel_prints_is_a_format_error_naming_the_file(parse, digits):
+    path = "/sys/devices/pci0000:00/0000:00:01.0/0000:03:00.0/hwmon/hwmon3/freq1_input"
+    with pytest.raises(AmdgpuFormatError) as exc:
+        parse(b"9" * digits + b"\n", path)
+    assert str(exc.value).startswith(path + ":")
+    assert f"{digits} digits" in str(exc.value)
+    assert len(str(exc.value)) < 300  # the value is cut, not echoed whole
+
+
+def test_the_longest_64_bit_values_still_parse():
+    assert f.parse_int(b"18446744073709551615\n", "x") == 2**64 - 1
+    assert f.parse_int(b"-9223372036854775808\n", "x") == -(2**63)
+    assert f.parse_microwatts(b"18446744073709551615", "x") == (2**64 - 1) / 1e6

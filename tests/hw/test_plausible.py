@@ -16,7 +16,9 @@ from gpuguard.hw.sysfs import SysfsRoot
 pytestmark = [pytest.mark.slow, pytest.mark.network]  # registered in pyproject.toml
 
 
-GARBAGE = "-99999999999999999999999999\n"
+# 20 digits, as many as a 64-bit attribute prints (longer is a format error already,
+# tests/hw/test_amdgpu_files.py): a number the parser takes, a temperature no card has
+GARBAGE = "-99999999999999999999\n"
 
 
 @pytest.mark.parametrize("kind, value, ok", [
@@ -45,7 +47,7 @@ def test_read_gpu_drops_the_value_and_names_file_and_value(tmp_path):
     snap = read_gpu(sysfs, discover_one(sysfs, XTX), "xtx-0")
     assert "edge" not in snap.temperatures and "junction" in snap.temperatures
     err = snap.errors["temperature_edge"]
-    assert edge_input.name in err and "implausible temperature -1e+23" in err
+    assert edge_input.name in err and "implausible temperature -1e+17" in err
     assert snap.up  # one bad sensor is not a lost GPU
 
 
@@ -64,7 +66,7 @@ def test_daemon_neither_exports_nor_records_the_implausible_value(tmp_path, wait
         scrape = httpx.get(base + "/metrics", timeout=5).text
         temps = [l for l in scrape.splitlines() if l.startswith("gpuguard_gpu_temperature_celsius{") and 'gpu="xtx-0"' in l]
         assert temps and not any('sensor="edge"' in l for l in temps), temps
-        assert "e+23" not in scrape and "e+22" not in scrape
+        assert "e+17" not in scrape and "e+16" not in scrape
         db = tmp_path / "flight.sqlite"
         rows = wait(lambda: sqlite3.connect(db).execute("SELECT edge_c, junction_c FROM samples WHERE gpu='xtx-0'").fetchall(),
                     what="recorded samples")

@@ -53,6 +53,36 @@ def test_cached_buckets_equal_a_fresh_computation_as_rows_arrive(tmp_path):
     rec.close()
 
 
+def test_a_view_whose_window_grows_keeps_one_entry_not_one_per_step_it_passed(tmp_path):
+    """A view from the daemon's start (the window grows, so its step does: 2 s, 5 s, 10 s ...)
+    left an entry per step it passed, up to 32: after two hours 7 entries, 7.7 times the rows
+    the view needed, while a page was open. An entry nobody asked for within a minute goes;
+    a page polling its own window keeps its entry all along."""
+    rec = FlightRecorder(str(tmp_path / "f.sqlite"))
+    now = time.time()
+    t0 = now - 7200
+    for i in range(0, 7200, 2):
+        last = rec.record(snap(t0 + i, 100 + i % 37))
+    last.result()
+    flight = FlightLog(rec.query, rec.path)
+    clock = [0.0]
+    cache = BucketCache(clock=lambda: clock[0])
+    steps, page_rows = set(), []
+    for span in range(60, 7200, 30):  # a request every 30 s, its window from the start
+        clock[0] += 30
+        view = bucketed(flight, t0, t0 + span, 300, None, cache)
+        steps.add(view["step"])
+        # a page open on the last 15 minutes of the same history, asking every 2 s meanwhile
+        for _ in range(15):
+            clock[0] += 2
+            page_rows.append(bucketed(flight, t0 + span - 900, t0 + span, 300, None, cache)["step"])
+        assert len(cache) <= 4, (span, len(cache))  # this view's and the page's, each for samples and engines
+    assert len(steps) >= 6  # the walk went through that many steps
+    assert cache.kept_rows() <= len(view["gpus"]["g"]["t"]) + 300, cache.kept_rows()
+    assert ("samples", None, page_rows[-1]) in cache._entries  # the page's entry was never dropped
+    rec.close()
+
+
 def test_history_endpoint_serves_the_recorder_and_says_when_there_is_none(tmp_path):
     r = incident_1(str(tmp_path / "f.sqlite"), time.time() - 400, FlightRecorder)
     rec = FlightRecorder(r.path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from gpuguard.config.schema import GpuEntry
 from gpuguard.policy.gpu_lifecycle import GpuLifecycle
 from gpuguard.state.events import Event
@@ -101,6 +103,9 @@ def test_not_answering_past_the_limit_is_lost_and_answering_again_is_back():
     now[0] = 10.0
     g.not_answering(XTX[1], "read timed out")
     assert (g.get(XTX[1]).presence, g.get(XTX[1]).lost_by) == ("lost", "not_answering")
+    g.answering(XTX[1])  # one good read is not back yet: answering for the same 10 s is
+    assert g.is_lost(XTX[1])
+    now[0] = 20.0
     g.answering(XTX[1])
     assert g.get(XTX[1]).presence == "present" and g.get(XTX[1]).profile_state == "pending"
 
@@ -113,6 +118,41 @@ def test_a_kernel_loss_is_not_undone_by_a_good_read():
     assert g.is_lost(XTX[0]) and not g.may_write(XTX[0])
     g.reset(XTX[0], "kernel: GPU reset succeeded")
     assert not g.is_lost(XTX[0]) and g.get(XTX[0]).profile_state == "pending"
+
+
+@pytest.mark.parametrize("route", ["kmsg:device_lost", "udev", "not_answering"])
+def test_a_lost_card_on_the_bus_is_back_after_answering_for_the_limit_whatever_lost_it(route):
+    """The card power-cycled back without leaving the bus: lost by a kernel line, it stayed
+    lost for ever while it read fine. One rule: every read answered for lost_after_seconds."""
+    now = [0.0]
+    hub = Hub()
+    g = hub.gpus
+    g.clock = lambda: now[0]
+    g.lost_after_seconds = 10
+    g.configure(ENTRIES)
+    g.observe(devs())
+    g.mark_lost(XTX[1], route)
+    gen = g.get(XTX[1]).generation
+    g.answering(XTX[1])  # the first good read starts the window
+    now[0] = 6.0
+    g.not_answering(XTX[1], "EIO")  # a failure inside it starts it anew
+    now[0] = 7.0
+    g.answering(XTX[1])
+    now[0] = 16.9
+    g.answering(XTX[1])
+    assert g.is_lost(XTX[1]) and not g.may_write(XTX[1])
+    now[0] = 17.0
+    g.mark_lost(XTX[1], route)  # the kernel saying it again starts it anew too
+    g.answering(XTX[1])
+    assert g.is_lost(XTX[1])
+    now[0] = 27.0
+    g.answering(XTX[1])
+    s = g.get(XTX[1])
+    assert (s.presence, s.lost_by, s.profile_state, s.generation) == ("present", None, "pending", gen + 1)
+    assert g.may_write(XTX[1]) and g.summary() == "4/4 GPUs up"
+    back = [e for e in hub.events if e.kind == "gpu_back"]
+    assert [e.message for e in back] == [f"GPU xtx-1 ({XTX[1]}) is back (answering again for 10 s); its profile "
+                                         "is re-applied"]
 
 
 def test_incomplete_group_is_unnamed_never_writable_and_alerted():
@@ -239,3 +279,26 @@ def test_the_api_refuses_a_card_that_is_lost_or_not_identified(tmp_path):
 
     asyncio.run(main())
     assert Writer.calls == []
+
+
+def test_gpu_up_is_the_state_owners_word_not_the_last_read():
+    """gpuguard_gpu_up said 1 (the card read fine) while the state owner held it lost: its
+    HELP says 0 = lost. The same snapshot, scraped again after the state changed, too."""
+    import time
+
+    from gpuguard.state.hub import HostSnapshot
+    from gpuguard.state.snapshot import GpuSnapshot
+
+    hub, g = make()
+    g.observe(devs())
+    reads = tuple(GpuSnapshot(name=g.name(b), bdf=b, vendor="1002", device_id="744c", driver="amdgpu", model="?",
+                              card=None, up=True, time=time.time()) for b in R9700 + XTX)
+    hub.publish_snapshot(HostSnapshot(time=time.time(), gpus=reads))
+    sink = MetricsSink(hub)
+    assert 'gpuguard_gpu_up{gpu="xtx-1"} 1.0' in sink.render().decode()
+    g.mark_lost(XTX[1], "kernel:device_lost")
+    text = sink.render().decode()
+    assert 'gpuguard_gpu_up{gpu="xtx-1"} 0.0' in text and 'gpuguard_gpu_up{gpu="xtx-0"} 1.0' in text
+    assert sink.registry.get_sample_value("gpuguard_gpu_up", {"gpu": "xtx-1"}) == 0.0
+    g.not_answering(XTX[0], "read timed out")
+    assert 'gpuguard_gpu_up{gpu="xtx-0"} 0.0' in sink.render().decode()

@@ -244,10 +244,14 @@ def test_not_answering_for_the_limit_is_lost_and_answering_brings_it_back(rig):
     assert (s.presence, s.lost_by, s.profile_state, s.not_answering_since) == ("lost", "not_answering", "lost", None)
     g.not_answering(R1, "EIO")  # lost: no more
     assert rig.said() == []
+    g.answering(R1)  # the window of good reads starts: lost_after_seconds of them is back
+    assert rig.said() == [] and g.get(R1).answering_since == 110.0 and g.is_lost(R1)
+    rig.now = 120.0
     g.answering(R1)
     assert rig.said()[0][:6] == ("gpu_back", "info", "gpus", "r9700-a", R1,
-                                 f"GPU r9700-a ({R1}) is back (answering again); its profile is re-applied")
-    assert rig.heard() == [("on_back", "r9700-a", "answering again")]
+                                 f"GPU r9700-a ({R1}) is back (answering again for 10 s); its profile is re-applied")
+    assert rig.heard() == [("on_back", "r9700-a", "answering again for 10 s")]
+    assert g.get(R1).answering_since is None
     assert (g.get(R1).presence, g.get(R1).generation, g.get(R1).profile_state) == ("present", gen + 1, "pending")
 
 

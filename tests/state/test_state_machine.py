@@ -3,6 +3,7 @@ real lost/back policy and the real profile runtime (its reconcile loop, its devi
 threads, its may_write check), with a writer that checks every write as it happens:
 
 - never a write to a card that is lost, gone from the bus, not answering or unnamed;
+- a lost card on the bus is back once it answered every read for lost_after_seconds;
 - no card ever gets another card's profile (the profile written is the one the current
   config assigns to the card's true identity; XTX cards are identified by order);
 - after things settle, every present card is verified, or alerted (not answering, or
@@ -85,7 +86,7 @@ class CheckingWriter:
                 self.violations.append(f"apply ran although may_write({target.bdf}) is False")
             elif card is None:
                 self.violations.append(f"write to {target.bdf}: no card there")
-            elif card in m.silent or card in m.kernel_lost:
+            elif card in m.silent or card in m.lost:
                 self.violations.append(f"write to {card} ({target.bdf}) which is not answering / lost")
             else:
                 want = m.profile_for(CARDS[card][2])
@@ -117,7 +118,10 @@ class GpuLives(RuleBasedStateMachine):
         self.lifecycle = GpuLifecycle(self.gpus, kill=lambda *a: None, restart=lambda *a: None)
         self.present: dict[str, str] = {c: home for c, (home, _, _) in CARDS.items()}  # card -> address
         self.silent: set[str] = set()  # on the bus, not answering
-        self.kernel_lost: set[str] = set()
+        self.quiet_since: dict[str, float] = {}  # silent card -> when its first read failed
+        # lost card on the bus -> since when every read answered (None: the last one failed);
+        # back after lost_after_seconds of that, whatever lost it (state/gpus.py)
+        self.lost: dict[str, float | None] = {}
         self.carried: dict[str, str] = {}  # card -> profile it carries (stock after a reset/return)
         self.writer = CheckingWriter(self)
         pc = ProfilesConfig.from_root(self.cfg).model_copy(update={"state_dir": self.tmp.name})
@@ -152,8 +156,18 @@ class GpuLives(RuleBasedStateMachine):
         for c, a in sorted(self.present.items()):
             if c in self.silent:
                 self.gpus.not_answering(a, "read timed out")
+                if c in self.lost:
+                    self.lost[c] = None
+                elif self.now - self.quiet_since.setdefault(c, self.now) >= 10:
+                    self.lost[c] = None
+                    del self.quiet_since[c]
             else:
                 self.gpus.answering(a)
+                self.quiet_since.pop(c, None)
+                if c in self.lost:
+                    since = self.lost[c] = self.now if self.lost[c] is None else self.lost[c]
+                    if self.now - since >= 10:
+                        del self.lost[c]
         self.rt.reconcile()
         for _ in range(20):
             if not self.rt._tasks:
@@ -171,7 +185,8 @@ class GpuLives(RuleBasedStateMachine):
         card = data.draw(st.sampled_from(sorted(self.present)))
         del self.present[card]
         self.silent.discard(card)
-        self.kernel_lost.discard(card)
+        self.quiet_since.pop(card, None)
+        self.lost.pop(card, None)
         self.discover()
         self.settle()
 
@@ -188,7 +203,8 @@ class GpuLives(RuleBasedStateMachine):
     @rule(data=st.data())
     def kernel_loses(self, data) -> None:
         card = data.draw(st.sampled_from(sorted(self.present)))
-        self.kernel_lost.add(card)
+        self.lost[card] = None
+        self.quiet_since.pop(card, None)
 
         async def lose() -> None:  # on the loop, as the kernel router does it
             self.gpus.mark_lost(self.present[card], "kmsg:device_lost")
@@ -200,7 +216,8 @@ class GpuLives(RuleBasedStateMachine):
     @rule(data=st.data())
     def reset(self, data) -> None:
         card = data.draw(st.sampled_from(sorted(self.present)))
-        self.kernel_lost.discard(card)
+        if self.lost.pop(card, "present") != "present":  # a lost card is back: counted anew
+            self.quiet_since.pop(card, None)
         self.carried.pop(card, None)
 
         async def reset() -> None:
@@ -251,9 +268,10 @@ class GpuLives(RuleBasedStateMachine):
         for card, bdf in self.present.items():
             s = self.gpus.get(bdf)
             assert s is not None and s.on_bus, (card, bdf)
-            if card in self.silent or card in self.kernel_lost:
+            if card in self.silent or card in self.lost:
                 assert not self.gpus.may_write(bdf)
                 continue
+            assert not self.gpus.is_lost(bdf), f"{card} at {bdf} still lost after answering for 10 s"
             if not s.named:
                 assert missing, f"{card} at {bdf} unnamed without a gpus_missing alert"
                 assert ("host", "gpus_missing") in self.gpus.conditions

@@ -112,6 +112,9 @@ class AmdGpuDevice:
     od_path: str | None = None
     od_disabled_reason: str | None = None  # why `od_path` is None
     probes: tuple[Probe, ...] = field(default=(), repr=False)
+    # the hwmon folder an earlier discovery of this card found, gone at this one (hw/sources.py):
+    # its sensors are an error every poll, and a folder under hwmon/ again is looked at
+    hwmon_gone: str | None = None
 
     def __post_init__(self) -> None:
         # The poll loop walks plain tuples (no attribute lookups per value).
@@ -386,6 +389,12 @@ def read_gpu(root: SysfsRoot, dev: AmdGpuDevice, name: str) -> GpuSnapshot:
         fields: dict[str, object] = {}
         groups: list[dict] = [fields, {}, {}, {}, {}]  # indexed like _GROUPS
         stale = False
+        if dev.hwmon_gone:
+            # a folder that vanished and came back under the same name was never read again
+            # (power and fan absent, no error): say so each poll, look again once it is there
+            errors["hwmon"] = (f"{dev.hwmon_gone}: gone; power, temperatures, clocks, voltages and fan are not read "
+                               f"until an amdgpu hwmon folder is back under {dev.sysfs_path}/hwmon")
+            stale = bool(root.listdir(f"{dev.sysfs_path}/hwmon"))
         io_errors: list[str] = []
         read = root.read_bytes
         constants = dev._constants

@@ -70,45 +70,60 @@ def _value_text(data: bytes | str, file: str) -> str:
 
 
 _INT = re.compile(r"-?\d+\Z")
+# The most digits a kernel attribute prints: a 64-bit value has 20. More is not a reading:
+# int() refuses one only past 4300 digits, with a message that names no file, and a float
+# of a shorter one overflows. The fast paths take no more than that many bytes.
+_DIGITS = 20
 
 
 def parse_int(data: bytes | str, file: str) -> int:
     """A plain decimal integer attribute (hwmon values, `mem_info_*`, link width)."""
-    try:
-        # Fast path for the poll loop: int() takes b"68000000\n" as is. It also takes
-        # "+5" and "1_0", which no kernel prints; anything else goes the careful way.
-        return int(data)
-    except ValueError:
-        pass
+    if len(data) <= _DIGITS:
+        try:
+            # Fast path for the poll loop: int() takes b"68000000\n" as is. It also takes
+            # "+5" and "1_0", which no kernel prints; anything else goes the careful way.
+            return int(data)
+        except ValueError:
+            pass
     text = _value_text(data, file)
     if not _INT.match(text):
         raise AmdgpuFormatError(file, "expected an integer", 0, text)
+    digits = len(text) - text.startswith("-")
+    if digits > _DIGITS:
+        raise AmdgpuFormatError(file, f"a number of {digits} digits: longer than any value the kernel prints "
+                                "(64 bits)", 0, text)
     return int(text)
 
 
 # hwmon sysfs-interface units -> base units.
 def parse_microwatts(data: bytes | str, file: str) -> float:
     """`power1_average`/`_input`/`_cap*` (µW) -> watts."""
-    try:
-        return int(data) / 1e6  # fast path, see parse_int
-    except ValueError:
-        return parse_int(data, file) / 1e6
+    if len(data) <= _DIGITS:
+        try:
+            return int(data) / 1e6  # fast path, see parse_int
+        except ValueError:
+            pass
+    return parse_int(data, file) / 1e6
 
 
 def parse_millicelsius(data: bytes | str, file: str) -> float:
     """`tempN_input`/`_crit`/`_emergency` (m°C) -> °C."""
-    try:
-        return int(data) / 1000.0  # fast path, see parse_int
-    except ValueError:
-        return parse_int(data, file) / 1000.0
+    if len(data) <= _DIGITS:
+        try:
+            return int(data) / 1000.0  # fast path, see parse_int
+        except ValueError:
+            pass
+    return parse_int(data, file) / 1000.0
 
 
 def parse_millivolts(data: bytes | str, file: str) -> float:
     """`inN_input` (mV) -> volts."""
-    try:
-        return int(data) / 1000.0  # fast path, see parse_int
-    except ValueError:
-        return parse_int(data, file) / 1000.0
+    if len(data) <= _DIGITS:
+        try:
+            return int(data) / 1000.0  # fast path, see parse_int
+        except ValueError:
+            pass
+    return parse_int(data, file) / 1000.0
 
 
 def parse_hertz(data: bytes | str, file: str) -> float:

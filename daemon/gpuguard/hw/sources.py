@@ -3,6 +3,7 @@ through NVML (when nvidia-ml-py and a driver are present). Each wraps its hardwa
 module behind the poller's two blocking calls, `discover()` and `read(dev, name)`."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Sequence
 
@@ -20,6 +21,7 @@ class AmdgpuSource:
     def __init__(self, root: SysfsRoot) -> None:
         self.root = root
         self._bound_at_discover: tuple[str, ...] | None = None
+        self._hwmon: dict[str, str] = {}  # bdf -> the hwmon folder it had (cards found at the last discovery)
 
     def _bound(self) -> tuple[str, ...] | None:
         try:
@@ -40,9 +42,16 @@ class AmdgpuSource:
         from gpuguard.hw import amdgpu
 
         key = self._bound()  # before the walk: a change during it shows at the next look
-        devs = amdgpu.discover(self.root)
+        devs = [self._hwmon_kept(d) for d in amdgpu.discover(self.root)]
+        self._hwmon = {d.bdf: d.hwmon_path or d.hwmon_gone for d in devs if d.hwmon_path or d.hwmon_gone}
         self._bound_at_discover = key
         return devs
+
+    def _hwmon_kept(self, dev: Any) -> Any:
+        """A card whose hwmon folder an earlier discovery found and this one did not (moved
+        away, its driver half gone) reads it as an error, not as a card without sensors."""
+        had = self._hwmon.get(dev.bdf)
+        return dataclasses.replace(dev, hwmon_gone=had) if dev.hwmon_path is None and had else dev
 
     def read(self, dev: Any, name: str) -> GpuSnapshot:
         from gpuguard.hw import amdgpu

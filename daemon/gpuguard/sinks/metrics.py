@@ -159,7 +159,15 @@ def gpu_families(hub: Hub) -> Iterable[Metric | Keyed]:
     gpus = snap.gpus if snap else ()
     yield Keyed("gpuguard_gpu_info", tuple((g.name, g.bdf, g.vendor, g.device_id, g.model, g.card, g.driver) for g in gpus),
                 lambda: _info(gpus))
-    yield _keyed_gpu(gpus, "gpuguard_gpu_up", "1 = GPU answering, 0 = lost or not answering", lambda g: 1 if g.up else 0)
+    states = hub.gpus
+
+    def up(g) -> int:
+        # the state owner's word (state/gpus.py): a card the kernel declared lost reads fine
+        # until it has answered for poll.lost_after_seconds, and is not up meanwhile
+        s = states.get(g.bdf)
+        return 1 if (s.up if s is not None else g.up) else 0
+
+    yield _keyed_gpu(gpus, "gpuguard_gpu_up", "1 = GPU answering, 0 = lost or not answering", up)
     yield _keyed_gpu(gpus, "gpuguard_gpu_runtime_suspended", "1 = runtime-suspended (not woken to poll)",
                      lambda g: 1 if g.runtime_status == "suspended" else 0)
     yield _each_gpu(gpus, "gpuguard_gpu_power_watts", "Average package power", attrgetter("power_watts"))
@@ -257,8 +265,10 @@ class MetricsSink:
         # inputs: the same key serves the text rendered before (a scrape between two polls,
         # and these blocks between any two changes, cost a lookup, not a render)
         self.add("build", build_families, inputs=lambda: ("build",))
+        # gpu_up is the state owner's word, which a kernel line changes between two polls
         self.add("gpu", lambda: gpu_families(hub),
-                 inputs=lambda: same_objects(hub.snapshot) + tuple((m.name, m.match) for m in hub.gpus.missing()))
+                 inputs=lambda: same_objects(hub.snapshot) + tuple((m.name, m.match) for m in hub.gpus.missing())
+                 + tuple(s.up for s in hub.gpus.all()))
         # NVIDIA health through NVML; keyed on what it reads, not the snapshot: on a host
         # without NVIDIA cards every poll is a new snapshot and the same empty block
         self.add("nvml", lambda: nvml_families(hub.snapshot),

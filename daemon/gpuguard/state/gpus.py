@@ -9,6 +9,13 @@ kernel lines and udev → `mark_lost`/`back`/`reset`/`kernel_event`); policy lis
 (`on_lost`, `on_back`, `on_new`); everything that writes a card asks `may_write` first.
 Nothing else keeps a second copy: "lost" in three sets was the bug.
 
+One rule for "back", whatever marked the card lost (the bus, reads that failed for
+`lost_after_seconds`, a kernel line, a udev remove): it reappears (on the bus again, a
+udev add, a reset that succeeded), or it stays on the bus and answers every read for
+`lost_after_seconds`, the same window that makes a silent card lost. A kernel-lost card
+that was power-cycled back without leaving the bus stayed lost for ever while it read fine;
+one good read is not enough (a read that raced the kernel's line, a dying card's last one).
+
 Runs on the event loop; `may_write` is also called from apply threads (a read).
 """
 from __future__ import annotations
@@ -45,6 +52,7 @@ class GpuState:
     lost_by: str | None = None  # bus | not_answering | kernel:<kind> | udev
     changed: float = 0.0  # wall time of the last presence change
     not_answering_since: float | None = None  # monotonic
+    answering_since: float | None = None  # monotonic: lost, and every read answered since then
     profile: str | None = None
     profile_state: str = "none"
     generation: int = 0
@@ -286,12 +294,14 @@ class GpuStates:
         if s is None:
             return False
         if s.presence == LOST:
-            if s.lost_by == "not_answering" and by != "not_answering":
-                # the kernel (or the bus) says so too: a good read later must not undo that
-                self._gpus[bdf] = replace(s, lost_by=by)
+            # said again (the kernel's `GPU Recovery Failed` lines after `device lost`): the
+            # window of good reads that brings it back starts anew; the route the kernel or
+            # the bus names replaces "not answering"
+            self._gpus[bdf] = replace(s, lost_by=by if s.lost_by == "not_answering" else s.lost_by,
+                                      answering_since=None)
             return False
         s = replace(s, presence=LOST, lost_by=by, changed=time.time(), not_answering_since=None,
-                    profile_state="lost" if s.profile else s.profile_state)
+                    answering_since=None, profile_state="lost" if s.profile else s.profile_state)
         self._gpus[bdf] = s
         msg = (message or f"GPU {s.name} ({bdf}) is lost ({by})") + \
             "; nothing is written to it until it is back; recovery is kill the engines, then reboot " \
@@ -310,7 +320,7 @@ class GpuStates:
         if s is None or s.presence != LOST or not s.on_bus:
             return False
         s = replace(s, presence=PRESENT, lost_by=None, changed=time.time(), not_answering_since=None,
-                    generation=s.generation + 1, profile_state="pending" if s.profile else "none",
+                    answering_since=None, generation=s.generation + 1, profile_state="pending" if s.profile else "none",
                     pending_why=f"GPU back ({how}): stock settings")
         self._gpus[bdf] = s
         self.conditions.pop((bdf, "gpu_lost"), None)
@@ -348,7 +358,11 @@ class GpuStates:
 
     def not_answering(self, bdf: str, reason: str) -> None:
         s = self._gpus.get(bdf)
-        if s is None or not s.on_bus or s.presence == LOST:
+        if s is None or not s.on_bus:
+            return
+        if s.presence == LOST:
+            if s.answering_since is not None:  # a lost card that failed again starts its window anew
+                self._gpus[bdf] = replace(s, answering_since=None)
             return
         now = self.clock()
         if s.presence == PRESENT:
@@ -365,8 +379,12 @@ class GpuStates:
         if s.presence == NOT_ANSWERING:
             self._gpus[bdf] = replace(s, presence=PRESENT, not_answering_since=None, changed=time.time())
             self._event("gpu_answering", "info", f"GPU {s.name} ({bdf}) answers again", s)
-        elif s.presence == LOST and s.lost_by == "not_answering":
-            self.back(bdf, "answering again")
+        elif s.presence == LOST:
+            now = self.clock()
+            if s.answering_since is None:
+                self._gpus[bdf] = s = replace(s, answering_since=now)
+            if now - s.answering_since >= self.lost_after_seconds:
+                self.back(bdf, f"answering again for {now - s.answering_since:.0f} s")
 
     # -- profiles --------------------------------------------------------------------------
     def set_pending(self, bdf: str, why: str = "") -> int | None:
