@@ -125,9 +125,11 @@ def main() -> int:
                         failed += not fetch(c, path)
                     next_read += READ_S
                 if now >= next_sample:
-                    rss = memory(proc.pid)["VmRSS"]
+                    m = memory(proc.pid)
+                    rss = m["VmRSS"]
                     samples.append((now - t0, rss))
-                    say(f"t={now - t0:7.0f}s rss={rss:7.2f} MiB")
+                    say(f"t={now - t0:7.0f}s rss={rss:7.2f} MiB (anon {m.get('RssAnon', 0):.2f}, file "
+                        f"{m.get('RssFile', 0):.2f}, shmem {m.get('RssShmem', 0):.2f})")
                     next_sample += SAMPLE_S
                 time.sleep(max(0.0, min(next_sample, next_scrape, next_read, end) - time.monotonic()))
         warm = min(600.0, a.minutes * 60 / 5)

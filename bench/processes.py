@@ -18,12 +18,13 @@ def free_port() -> int:
 
 
 def memory(pid: int) -> dict[str, float]:
-    """VmRSS and VmHWM (its peak) in MiB."""
+    """VmRSS, VmHWM (its peak) and the RSS's parts (RssAnon: the heap; RssFile: mapped
+    files, libraries; RssShmem: shared memory such as SQLite's WAL index) in MiB."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                 out[key] = int(value.split()[0]) / 1024
     return out
 
