@@ -11,6 +11,7 @@ the FUSE mount is unmounted however the test ends: a demo killed after a failure
 dead mount ("Transport endpoint is not connected") in a shared /tmp path."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -83,6 +84,17 @@ def stop_demo(proc: subprocess.Popen | None, folder: Path) -> None:
         r = subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True, text=True)
         if r.returncode != 0 and os.geteuid() == 0:
             subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def recorded_kinds(db: Path) -> set[str]:
+    """The kinds of the events committed to a flight recorder file (read-only, as the report reads it)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as c:
+            return {k for (k,) in c.execute("SELECT DISTINCT kind FROM events")}
+    except sqlite3.Error:
+        return set()
 
 
 def test_readme_tour_works_as_written(tmp_path, wait_for, monkeypatch):
@@ -166,6 +178,10 @@ def test_readme_tour_works_as_written(tmp_path, wait_for, monkeypatch):
             elif cmd.startswith("gpuguard sim lose"):
                 wait_for(lambda: {"device_lost", "gpu_lost"} <= {e["kind"] for e in events() if e["gpu"] == "xtx-1"},
                          timeout=60, what="xtx-1 lost", interval=0.5)
+                # events reach flight.sqlite with the poll cycle after the API has them: the
+                # report below reads the file, so wait for the loss to be committed there
+                wait_for(lambda: recorded_kinds(folder / "state" / "flight.sqlite") >= {"device_lost", "gpu_lost"},
+                         timeout=30, what="the loss in the flight recorder", interval=0.2)
             elif cmd.startswith("gpuguard events"):
                 assert "device_lost" in res.stdout and "xtx-1" in res.stdout
             elif cmd.startswith("gpuguard report"):
