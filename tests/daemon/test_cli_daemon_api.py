@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from support import poll_until
 
 from gpuguard.sim.runner import build_scenario
 from gpuguard.sim.tree import write_tree
@@ -54,8 +55,10 @@ def test_every_daemon_command_answers_from_the_daemon_gpuguard_api_names(tmp_pat
     assert st.returncode == 0, st.stdout + st.stderr
     assert st.stdout.splitlines()[0] == f"from the daemon at {d.base} (from $GPUGUARD_API)"
     assert "4/4 GPUs up" in st.stdout and "r9700-b" in st.stdout
-    en = cli("engines", env=env, cwd=tmp_path)
-    assert en.returncode == 0, en.stderr
+    # the engine's kind shows once the watchdog has looked at it (before: "?")
+    en = poll_until(lambda: (r := cli("engines", env=env, cwd=tmp_path)).returncode == 0
+                    and r.stdout.splitlines()[1].split()[:2] == ["vllm-x", "vllm"] and r,
+                    60, "the daemon's engines with the engine's kind", interval=0.5)
     assert en.stdout.splitlines()[1].split()[:2] == ["vllm-x", "vllm"], en.stdout
     ev = cli("events", "--json", env=env, cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr
