@@ -45,9 +45,16 @@ def _gpu(name: str, bdf: str, device_id: str, model: str, card: str, junction: f
 
 
 @pytest.fixture
-def exposition(tmp_path) -> str:
+def exposition(tmp_path, monkeypatch) -> str:
     """gpuguard's /metrics text: xtx-0 past its junction emergency limit, one device_lost line
-    counted, everything else healthy. Written where the file server serves it."""
+    counted, everything else healthy, from a gpuguard that started just now (its counts are
+    new to the rules; a gpuguard up for longer than a rule's window whose count is already
+    there at Prometheus's first scrape is not paged: grafana/alerts.yml's header). Written
+    where the file server serves it."""
+    import gpuguard.sinks.metrics as metrics_module
+
+    # the test process imported the sink long ago in a whole-suite run
+    monkeypatch.setattr(metrics_module, "STARTED", time.time())
     hub = Hub()
     hub.publish_snapshot(HostSnapshot(time=time.time(), gpus=(
         _gpu("xtx-0", "0000:aa:00.0", "744c", "Radeon RX 7900 XTX", "card2", 96.0, 272.0, 355.0,
@@ -58,6 +65,8 @@ def exposition(tmp_path) -> str:
     hub.gpus.kernel_counts[("xtx-0", "device_lost")] += 1
     hub.counters.poll_duration.labels(source="gpu").observe(0.004)
     text = MetricsSink(hub).render().decode()
+    started = next(float(l.split()[1]) for l in text.splitlines() if l.startswith("gpuguard_start_time_seconds "))
+    assert time.time() - started < 60, "the exposition's start time is not now (a cached build block?)"
     (tmp_path / "metrics.txt").write_text(text)
     return text
 
