@@ -161,7 +161,7 @@ power: {{sample_hz: 20, {power}, cpu_budget_ratio: 0.5}}
 
 def test_an_idle_host_rests_the_sampler_and_load_brings_the_full_rate_back(sim, tmp_path):
     """Both cards idle (a few watts against a 300 W cap): after `rest_after_seconds` the
-    sampler reads once a second (issue 15: an idle host pays one wakeup a second for it,
+    sampler reads once a second (an idle host pays one wakeup a second for it,
     not 20) and says so on /metrics; a card put to work brings 20 Hz back within seconds
     and its windows fill with fast samples again."""
     mount, ctl = sim
